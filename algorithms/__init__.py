@@ -1,0 +1,10 @@
+"""Relaxations of synchronous SGD, one per module (installed as ``bagua_lite.algorithms``).
+
+``build(name, **options)`` instantiates a registered algorithm; ``register(name)`` makes a user's
+``bagua_lite.Algorithm`` subclass selectable by name, in YAML too.
+"""
+from bagua_lite.algorithm import Algorithm, build, register, registered
+
+from . import decentralized, gradient_allreduce, gtopk, local_sgd, topk  # noqa: F401  (register built-ins)
+
+__all__ = ["Algorithm", "build", "register", "registered"]

@@ -1,0 +1,85 @@
+"""What Top-k and gTop-k share: error-feedback memory, a density schedule, DGC momentum correction.
+
+Per bucket and step (flat gradient g of n elements, k = density * n):
+    u <- m * u + g                (momentum correction, if enabled; else u = g)
+    acc <- residual + u           (error feedback: what was not sent before is added back)
+    V, I <- topk(acc, k)          (local selection)
+    aggregate(V, I, acc, g)       (the subclass: how the selection travels; writes the average into g
+                                   and removes what was sent from acc, which becomes the residual)
+"""
+from typing import List, Sequence
+
+import torch
+
+from bagua_lite import kernels
+from bagua_lite.algorithm import Algorithm
+
+
+class ErrorFeedbackSparsifier(Algorithm):
+    def __init__(self, density: float = 0.001, warmup_densities: Sequence[float] = (),
+                 warmup_steps_per_stage: int = 0, momentum_correction: float = 0.0):
+        super().__init__()
+        for d in list(warmup_densities) + [density]:
+            if not isinstance(d, (int, float)) or not 0 < d <= 1:
+                raise ValueError(f"{self.name}: density must be in (0, 1], got {d!r}")
+        if warmup_steps_per_stage < 0:
+            raise ValueError(f"{self.name}: warmup_steps_per_stage must be >= 0, got {warmup_steps_per_stage}")
+        if not 0 <= momentum_correction < 1:
+            raise ValueError(f"{self.name}: momentum_correction must be in [0, 1), got {momentum_correction}")
+        self.density = float(density)
+        self.warmup_densities: List[float] = [float(d) for d in warmup_densities]
+        self.warmup_steps_per_stage = warmup_steps_per_stage
+        self.momentum_correction = float(momentum_correction)
+
+    def current_density(self) -> float:
+        """The schedule: each warm-up density for ``warmup_steps_per_stage`` steps, then the target."""
+        if self.warmup_steps_per_stage > 0:
+            stage = self.step // self.warmup_steps_per_stage
+            if stage < len(self.warmup_densities):
+                return self.warmup_densities[stage]
+        return self.density
+
+    def k_for(self, bucket) -> int:
+        return max(1, min(bucket.numel, int(round(self.current_density() * bucket.numel))))
+
+    def init(self, model):
+        self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]
+        self.momenta = [torch.zeros_like(b.flat) if self.momentum_correction else None for b in model.buckets]
+        kmax = max(max(1, int(round(max([self.density] + self.warmup_densities) * b.numel))) for b in model.buckets)
+        self._values = torch.empty(kmax, dtype=model.buckets[0].dtype)
+        self._indices = torch.empty(kmax, dtype=torch.int32)
+
+    def bucket_ops(self, bucket):
+        def sparsify_and_aggregate(flat, b=bucket):
+            acc = self.residuals[b.index]
+            if self.momentum_correction:
+                u = self.momenta[b.index]
+                u.mul_(self.momentum_correction).add_(flat)
+                acc.add_(u)
+            else:
+                acc.add_(flat)
+            k = self.k_for(b)
+            values, indices = self._values[:k], self._indices[:k]
+            kernels.topk_out(acc, k, values, indices)
+            sent = self.aggregate(values, indices, acc, flat)
+            if self.momentum_correction:
+                kernels.ef_remove_(self.momenta[b.index], sent)
+        sparsify_and_aggregate.__name__ = f"{self.name}_bucket{bucket.index}"
+        return [sparsify_and_aggregate]
+
+    def aggregate(self, values, indices, acc, flat) -> torch.Tensor:
+        """Exchange the selection, write the averaged sparse gradient into ``flat``, remove what was
+        sent from ``acc`` (it stays as the residual); return the indices removed."""
+        raise NotImplementedError
+
+    def state_dict(self):
+        return {"step": self.step, "residuals": [r.clone() for r in self.residuals],
+                "momenta": [m.clone() if m is not None else None for m in self.momenta]}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        for dst, src in zip(self.residuals, state["residuals"]):
+            dst.copy_(src)
+        for dst, src in zip(self.momenta, state["momenta"]):
+            if dst is not None and src is not None:
+                dst.copy_(src)

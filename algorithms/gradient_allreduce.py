@@ -1,0 +1,64 @@
+"""Dense synchronous SGD: every gradient bucket is averaged over all ranks each step.
+
+Options:
+``compression``    ``none`` | ``fp16`` | ``minmax_uint8`` (BAGUA's ByteGrad: chunks quantized to uint8
+                   over their [min, max], reduce-scattered and allgathered compressed).
+``hierarchical``   reduce inside each node, allreduce among node leaders, broadcast inside each node.
+``ranks_per_node`` node size for ``hierarchical`` (0: torchrun's ``LOCAL_WORLD_SIZE``); set it to test
+                   the hierarchy on one machine.
+"""
+import os
+
+import torch.distributed as dist
+
+from bagua_lite import comm
+from bagua_lite.algorithm import Algorithm, register
+
+COMPRESSIONS = ("none", "fp16", "minmax_uint8")
+
+
+@register("gradient_allreduce")
+class GradientAllReduce(Algorithm):
+    def __init__(self, compression: str = "none", hierarchical: bool = False, ranks_per_node: int = 0):
+        super().__init__()
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"gradient_allreduce: compression={compression!r} is not allowed; "
+                             f"choose one of {', '.join(COMPRESSIONS)}")
+        if ranks_per_node < 0:
+            raise ValueError(f"gradient_allreduce: ranks_per_node must be >= 0, got {ranks_per_node}")
+        self.compression = compression
+        self.hierarchical = hierarchical
+        self.ranks_per_node = ranks_per_node
+
+    def init(self, model):
+        if not self.hierarchical:
+            return
+        n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
+        world = dist.get_process_group_ranks(model.process_group)
+        nodes = [world[i:i + n] for i in range(0, len(world), n)]
+        # Every rank creates every group, in the same order (new_group is collective).
+        self.intra = None
+        for node in nodes:
+            g = dist.new_group(node)
+            if dist.get_rank() in node:
+                self.intra, self.leader = g, node[0]
+        leaders = [node[0] for node in nodes]
+        g = dist.new_group(leaders)
+        self.inter = g if dist.get_rank() in leaders else None
+
+    def bucket_ops(self, bucket):
+        if self.hierarchical:
+            return [self._hierarchical_allreduce]
+        if self.compression == "none":
+            return [self.comm.AllreduceOp(self.process_group, True)]
+        return [self.comm.CompressedAllreduceOp(self.process_group, self.compression, True)]
+
+    def _hierarchical_allreduce(self, flat):
+        dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node
+        if self.inter is not None:                                        # 2. leaders: sum across nodes
+            if self.compression == "none":
+                comm.allreduce(flat, "sum", group=self.inter)
+            else:
+                comm.compressed_allreduce(flat, self.compression, group=self.inter, op="sum")
+        comm.broadcast(flat, 0, group=self.intra)                         # 3. leader -> node
+        flat.div_(self.world_size)

@@ -1,0 +1,35 @@
+"""gTop-k S-SGD (Shi et al., ICDCS'19): global Top-k sparsification with error feedback.
+
+Algorithm 1 of the paper, per bucket (G: the bucket's flat gradient, eps: its residual):
+    acc      <- G + eps                            (ErrorFeedbackSparsifier, with optional DGC momentum)
+    V, I     <- topk(acc, k)                       (local top-k, radix select in C++)
+    gV, gI   <- gTopKAllReduce(V, I, k)            (recursive doubling: log2 P rounds of k pairs)
+    eps      <- acc with entries in I ∩ gI zeroed  (locally selected and globally kept were sent;
+                                                    with exact=True every rank's value at gI was summed,
+                                                    so all of gI is zeroed)
+    G        <- scatter(gV, gI) / P
+"""
+import torch
+
+from bagua_lite import comm, kernels
+from bagua_lite.algorithm import register
+
+from ._sparse import ErrorFeedbackSparsifier
+
+
+@register("gtopk")
+class GTopK(ErrorFeedbackSparsifier):
+    def __init__(self, density: float = 0.001, warmup_densities: list = (0.25, 0.0625, 0.016, 0.004),
+                 warmup_steps_per_stage: int = 0, momentum_correction: float = 0.0, exact: bool = False):
+        super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction)
+        self.exact = exact
+
+    def aggregate(self, values, indices, acc, flat):
+        k = values.numel()
+        g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact)
+        sent = g_indices if self.exact else g_indices[torch.isin(g_indices, indices)]
+        kernels.ef_remove_(acc, sent)
+        flat.zero_()
+        kernels.scatter_add_(flat, g_values, g_indices)
+        flat.div_(self.world_size)
+        return sent

@@ -1,0 +1,29 @@
+"""Resolving and validating the process-group argument shared by every collective."""
+import torch
+import torch.distributed as dist
+
+
+def resolve_group(group, fn):
+    """Return the ``ProcessGroup`` to use for ``fn``, or raise a clear error before any traffic."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"bagua_lite.comm.{fn}: torch.distributed is not initialized; "
+                           "call torch.distributed.init_process_group(...) first")
+    if group is None:
+        group = dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(f"bagua_lite.comm.{fn}: rank {dist.get_rank()} is not a member of the given group; "
+                         "call collectives only on ranks that belong to the group")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"bagua_lite.comm.{fn}: group must be a torch.distributed ProcessGroup or None, "
+                        f"got {type(group).__name__}")
+    return group
+
+
+def check_device(t, group, fn, name="t"):
+    """NCCL moves CUDA tensors only; gloo is our CPU transport."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"bagua_lite.comm.{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and not t.is_cuda:
+        raise ValueError(f"bagua_lite.comm.{fn}: `{name}` is on {t.device} but the group's backend is nccl, "
+                         "which needs CUDA tensors")

@@ -1,0 +1,162 @@
+"""The one base class every relaxation subclasses, and the registry that makes it selectable by name.
+
+An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair per algorithm)::
+
+    @bagua_lite.algorithms.register("my_relaxation")
+    class MyRelaxation(bagua_lite.Algorithm):
+        def __init__(self, ratio: float = 0.1):
+            super().__init__()
+            if not 0 < ratio <= 1:
+                raise ValueError(f"my_relaxation: ratio must be in (0, 1], got {ratio}")
+            self.ratio = ratio
+
+        def bucket_ops(self, bucket):
+            # ops run, in order, on the engine thread when the bucket's gradients are ready
+            return [lambda flat: flat.mul_(2), self.comm.AllreduceOp(self.process_group, average=True)]
+
+Hooks, in the order of one training step:
+
+``init(model)``            once, after buckets exist (allocate residuals, build groups)
+``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
+``before_forward()``       at the start of every forward
+``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
+``after_backward()``       after all buckets of a synchronised backward finished
+``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
+``state_dict()`` / ``load_state_dict()``  the algorithm's own state (residuals, counters)
+"""
+import inspect
+from typing import Dict, List, Type
+
+_REGISTRY: Dict[str, Type["Algorithm"]] = {}
+
+
+class Algorithm:
+    """Base class of every relaxation. Subclasses take their options as ``__init__`` keyword arguments."""
+
+    #: registry name, set by :func:`register`
+    name: str = "algorithm"
+
+    def __init__(self):
+        self.step = 0
+        self.model = None
+
+    # ---- set-up ----------------------------------------------------------------------------------------
+    def init(self, model) -> None:
+        """Called once by :class:`~bagua_lite.DistributedModel` after it built the buckets."""
+
+    def bucket_ops(self, bucket) -> List:
+        """The ops (``bagua_lite._C.Op`` or callables taking the flat bucket tensor) of one bucket."""
+        return []
+
+    # ---- per step ----------------------------------------------------------------------------------------
+    def sync_gradients(self) -> bool:
+        """Whether the gradients of the current step are communicated (must be the same on all ranks)."""
+        return True
+
+    def before_forward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    # ---- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+    # ---- conveniences for subclasses -----------------------------------------------------------------
+    @property
+    def process_group(self):
+        return self.model.process_group
+
+    @property
+    def world_size(self) -> int:
+        return self.model.world_size
+
+    @property
+    def comm(self):
+        from . import _C
+        return _C
+
+    def options(self) -> dict:
+        """The options this instance was built with (used to check all ranks run the same config)."""
+        return dict(getattr(self, "_options", {}))
+
+    def __repr__(self):
+        opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
+        return f"{type(self).__name__}({opts})"
+
+
+def register(name: str):
+    """Class decorator: make an :class:`Algorithm` subclass selectable by ``name`` (in YAML too)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register: name must be a non-empty string, got {name!r}")
+
+    def deco(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            raise TypeError(f"register({name!r}): {cls!r} is not a subclass of bagua_lite.Algorithm")
+        if name in _REGISTRY and _REGISTRY[name] is not cls:
+            raise ValueError(f"register: an algorithm named {name!r} is already registered "
+                             f"({_REGISTRY[name].__module__}.{_REGISTRY[name].__qualname__})")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def registered() -> List[str]:
+    return sorted(_REGISTRY)
+
+
+def option_names(cls) -> List[str]:
+    sig = inspect.signature(cls.__init__)
+    return [p for p, v in sig.parameters.items() if p != "self" and v.kind in (v.POSITIONAL_OR_KEYWORD, v.KEYWORD_ONLY)]
+
+
+def build(name: str, **options) -> Algorithm:
+    """Instantiate a registered algorithm by name with keyword options, validating names and types."""
+    import difflib
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown algorithm {name!r}; known algorithms: {', '.join(registered())}")
+    cls = _REGISTRY[name]
+    allowed = option_names(cls)
+    sig = inspect.signature(cls.__init__)
+    for key, value in options.items():
+        if key not in allowed:
+            near = difflib.get_close_matches(key, allowed, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else ""
+            raise ValueError(f"algorithm {name!r}: unknown option {key!r}{hint} "
+                             f"(allowed: {', '.join(allowed) or 'none'})")
+        default = sig.parameters[key].default
+        _check_type(name, key, value, default)
+    alg = cls(**options)
+    full = {k: sig.parameters[k].default for k in allowed if sig.parameters[k].default is not inspect._empty}
+    full.update(options)
+    alg._options = full
+    return alg
+
+
+def _check_type(alg, key, value, default):
+    if default is inspect._empty or default is None:
+        return
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(default, (list, tuple)):
+        ok = isinstance(value, (list, tuple))
+    else:
+        ok = isinstance(value, type(default))
+    if not ok:
+        raise TypeError(f"algorithm {alg!r}: option {key!r} must be of type {type(default).__name__} "
+                        f"(like its default {default!r}), got {type(value).__name__} {value!r}")
+

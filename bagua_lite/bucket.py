@@ -1,0 +1,88 @@
+"""Buckets: parameters grouped into flat buffers that their gradients (or weights) are views of."""
+from typing import List
+
+import torch
+
+
+class Bucket:
+    """A flat buffer holding the gradients of ``params`` back to back, in bucket order.
+
+    ``flat`` is allocated once; ``view(i)`` is parameter i's slot shaped like the parameter. After set-up
+    each ``param.grad`` is such a view, so the result of a bucket's ops lands in ``.grad`` with no copy.
+    """
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter]):
+        if not params:
+            raise ValueError("Bucket: needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        devices = {p.device for p in params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"Bucket {index}: parameters must share dtype and device, got {dtypes} / {devices}")
+        self.index = index
+        self.params = list(params)
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self.offsets = []
+        n = 0
+        for p in self.params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.flat = torch.zeros(n, dtype=self.dtype, device=self.device)
+        self._views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        self.ops = []
+
+    def view(self, i: int) -> torch.Tensor:
+        return self._views[i]
+
+    def nbytes(self) -> int:
+        return self.numel * self.flat.element_size()
+
+    def __repr__(self):
+        return f"Bucket({self.index}, params={len(self.params)}, numel={self.numel}, dtype={self.dtype})"
+
+
+def plan_buckets(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[List[torch.nn.Parameter]]:
+    """Split parameters (given in the order gradients become ready) into buckets of ~``bucket_bytes``.
+
+    A bucket closes when adding the next parameter would exceed the cap (a parameter larger than the
+    cap gets a bucket of its own) or when dtype/device change.
+    """
+    buckets, cur, cur_bytes = [], [], 0
+    for p in params:
+        nb = p.numel() * p.element_size()
+        if cur and (cur_bytes + nb > bucket_bytes or p.dtype != cur[0].dtype or p.device != cur[0].device):
+            buckets.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(p)
+        cur_bytes += nb
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+class FlatWeights:
+    """A reusable flat copy of a parameter list's weights, for algorithms that average weights."""
+
+    def __init__(self, params: List[torch.nn.Parameter]):
+        self.groups = []
+        for group in plan_buckets(params, 1 << 62):  # split only by dtype/device
+            flat = torch.empty(sum(p.numel() for p in group), dtype=group[0].dtype, device=group[0].device)
+            self.groups.append((group, flat))
+
+    def gather(self):
+        with torch.no_grad():
+            for group, flat in self.groups:
+                o = 0
+                for p in group:
+                    flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
+                    o += p.numel()
+        return [flat for _, flat in self.groups]
+
+    def scatter(self):
+        with torch.no_grad():
+            for group, flat in self.groups:
+                o = 0
+                for p in group:
+                    p.copy_(flat[o:o + p.numel()].view_as(p))
+                    o += p.numel()

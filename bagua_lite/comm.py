@@ -1,0 +1,139 @@
+"""Primitive collectives of bagua_lite, over any ``torch.distributed`` process group.
+
+Each function validates its arguments (raising before any traffic), then runs in the C++ core with the
+GIL released and returns when its result is in place. Every rank of the group must call the same
+collectives in the same order, as with ``torch.distributed``. ``group=None`` means the default group.
+
+What travels, per call on P ranks (m = bytes of the tensor):
+
+==========================  =====================================================================
+``allreduce``               dense ring allreduce: 2(P-1)/P * m per rank
+``compressed_allreduce``    compressed chunks: all-to-all, then allgather of the reduced chunks
+``sparse_allreduce``        one allgather of [k values][k int32 indices] per rank (TopKAllReduce)
+``gtopk_allreduce``         recursive doubling: log2(P) swaps of k (value, index) pairs
+``peer_average``            point-to-point with one or two peers (or an allreduce for ``"all"``)
+``broadcast``               the tensor from ``src`` to everyone
+==========================  =====================================================================
+
+Example::
+
+    import torch, torch.distributed as dist, bagua_lite
+    dist.init_process_group("gloo")
+    g = torch.randn(1000)
+    vals, idx = bagua_lite.kernels.topk(g, 10)
+    vals, idx = bagua_lite.comm.gtopk_allreduce(vals, idx, k=10)   # same set on every rank
+"""
+from typing import Optional, Tuple
+
+import torch
+
+from . import _C
+from ._groups import check_device, resolve_group
+
+__all__ = ["allreduce", "compressed_allreduce", "sparse_allreduce", "gtopk_allreduce", "peer_average",
+           "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
+
+_OPS = ("avg", "sum")
+_COMPRESSIONS = ("fp16", "minmax_uint8")
+_PEER_MODES = ("ring", "shift_one", "all")
+
+
+def _choice(fn, name, value, allowed):
+    if value not in allowed:
+        raise ValueError(f"bagua_lite.comm.{fn}: {name}={value!r} is not allowed; choose one of "
+                         + ", ".join(repr(a) for a in allowed))
+
+
+def allreduce(t: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
+    """Dense allreduce of ``t`` in place; ``op`` is ``"avg"`` or ``"sum"``. Returns ``t``."""
+    _choice("allreduce", "op", op, _OPS)
+    pg = resolve_group(group, "allreduce")
+    check_device(t, pg, "allreduce")
+    _C.allreduce(pg, t, op == "avg")
+    return t
+
+
+def compressed_allreduce(t: torch.Tensor, compression: str = "fp16", group=None, op: str = "avg") -> torch.Tensor:
+    """Low-precision allreduce of ``t`` in place (BAGUA's centralized path; ``minmax_uint8`` is ByteGrad).
+
+    Each rank compresses its P chunks, an all-to-all gives rank r every rank's chunk r, which it
+    decompresses, reduces, recompresses and allgathers. Every rank ends with bit-identical ``t``.
+    With one rank nothing is exchanged and ``t`` is left exactly as it is. Returns ``t``.
+    """
+    _choice("compressed_allreduce", "compression", compression, _COMPRESSIONS)
+    _choice("compressed_allreduce", "op", op, _OPS)
+    pg = resolve_group(group, "compressed_allreduce")
+    check_device(t, pg, "compressed_allreduce")
+    _C.compressed_allreduce(pg, t, compression, op == "avg")
+    return t
+
+
+def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, group=None) -> torch.Tensor:
+    """TopKAllReduce: sum every rank's sparse (values, int32 indices) into a dense tensor of ``numel``.
+
+    One allgather of packed ``[k values][k indices]`` buffers (padded to the largest k); ranks may hold
+    different k. Summation runs in rank order, so all ranks get the same bits.
+    """
+    pg = resolve_group(group, "sparse_allreduce")
+    check_device(values, pg, "sparse_allreduce", "values")
+    if not isinstance(numel, int) or isinstance(numel, bool):
+        raise TypeError(f"bagua_lite.comm.sparse_allreduce: numel must be an int, got {type(numel).__name__}")
+    return _C.sparse_allreduce(pg, values, indices, numel)
+
+
+def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,
+                    exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Global Top-k of the ranks' sparse sets (gTop-k S-SGD), by recursive doubling.
+
+    In round r each rank swaps its k (value, index) pairs with rank XOR 2^r, sums equal indices and
+    keeps the k largest by magnitude (ties: lower index). Ranks beyond the largest power of two fold
+    into a partner first and receive the result last. Sum semantics; returns at most k entries with
+    ascending int32 indices, bit-identical on every rank. ``exact=True`` adds one k-sized allreduce so
+    each value is the exact sum over ranks at its index. ``k`` must be the same on all ranks.
+    """
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise TypeError(f"bagua_lite.comm.gtopk_allreduce: k must be an int, got {type(k).__name__}")
+    pg = resolve_group(group, "gtopk_allreduce")
+    check_device(values, pg, "gtopk_allreduce", "values")
+    return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact)))
+
+
+def peer_average(t: torch.Tensor, mode: str = "ring", step: int = 0, group=None) -> torch.Tensor:
+    """Average ``t`` in place with peers, for decentralized SGD. Returns ``t``.
+
+    ``"ring"``: with both ring neighbours, ``(left + t + right) / 3``. ``"shift_one"``: with one partner
+    from a round-robin schedule that rotates with ``step`` (odd P: one rank sits each step out).
+    ``"all"``: with everyone (an allreduce).
+    """
+    _choice("peer_average", "mode", mode, _PEER_MODES)
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"bagua_lite.comm.peer_average: step must be an int >= 0, got {step!r}")
+    pg = resolve_group(group, "peer_average")
+    check_device(t, pg, "peer_average")
+    _C.peer_average(pg, t, mode, step)
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+    """Broadcast ``t`` in place from ``src`` (a rank within ``group``). Returns ``t``."""
+    pg = resolve_group(group, "broadcast")
+    check_device(t, pg, "broadcast")
+    _C.broadcast(pg, t, int(src))
+    return t
+
+
+def bytes_sent() -> int:
+    """Bytes this process has put on the wire through bagua_lite since the last reset.
+
+    Point-to-point messages (gtopk_allreduce, peer_average) are counted exactly; library collectives
+    count what the ring algorithm sends per rank (allreduce 2(P-1)/P*m, allgather (P-1)*m).
+    """
+    return _C.bytes_sent()
+
+
+def messages_sent() -> int:
+    return _C.messages_sent()
+
+
+def reset_traffic() -> None:
+    _C.reset_traffic()

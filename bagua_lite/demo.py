@@ -1,0 +1,135 @@
+"""A local demo: train a small MLP on scikit-learn's digits with every algorithm config, 4 processes.
+
+    python -m bagua_lite.demo [--configs configs/*.yaml] [--world-size 4] [--epochs 15]
+
+The processes are spawned here on loopback (gloo); ``examples/train.py`` runs the same training under
+``torchrun``. Prints one row per config: time per step, final training loss, held-out accuracy.
+"""
+import argparse
+import datetime
+import glob
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def digits_shards(rank, world_size, seed=0):
+    """The digits data set (ships with scikit-learn), 80/20 split, training set sharded by rank."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm], y[perm]
+    n_test = len(x) // 5
+    return x[n_test:][rank::world_size], y[n_test:][rank::world_size], x[:n_test], y[:n_test]
+
+
+def make_mlp(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
+def train_digits(cfg, epochs=15, batch_size=16, lr=0.05, seed=0):
+    """Train on this rank's shard with ``cfg`` (a bagua_lite Config); returns a dict of results."""
+    import bagua_lite
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y, x_test, y_test = digits_shards(rank, world, seed)
+    net = make_mlp(seed)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    model = bagua_lite.DistributedModel(net, opt, algorithm=cfg.algorithm, bucket_size_mb=cfg.bucket_size_mb)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    steps = torch.tensor([len(x) // batch_size])
+    dist.all_reduce(steps, op=dist.ReduceOp.MIN)  # same number of steps on every rank
+    steps = int(steps)
+    losses = []
+    t0 = time.perf_counter()
+    for epoch in range(epochs):
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 1000 + epoch * 31 + rank))
+        for s in range(steps):
+            idx = perm[s * batch_size:(s + 1) * batch_size]
+            loss = loss_fn(model(x[idx]), y[idx])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss))
+    elapsed = time.perf_counter() - t0
+    with torch.no_grad():
+        acc = (net(x_test).argmax(1) == y_test).float().mean().item()
+    model.close()
+    tail = losses[-steps:] if steps else losses
+    return {"accuracy": acc, "final_loss": sum(tail) / max(1, len(tail)), "s_per_step": elapsed / max(1, len(losses))}
+
+
+def _worker(rank, world_size, init_file, config_paths, epochs, out):
+    torch.set_num_threads(1)
+    import bagua_lite
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    for path in config_paths:
+        res = train_digits(bagua_lite.load_config(path), epochs=epochs)
+        if rank == 0:
+            out.put((path, res))
+    dist.destroy_process_group()
+
+
+def _next_result(out, procs, timeout_s=900):
+    """Wait for the next result, failing fast (instead of hanging) if a worker died."""
+    import queue
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1.0)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"demo: worker(s) failed (rank, exit code): {dead}; see their traceback above")
+    raise SystemExit(f"demo: no result within {timeout_s}s")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="*", default=None, help="YAML files (default: configs/*.yaml except benchmark)")
+    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=15)
+    args = ap.parse_args(argv)
+    import bagua_lite
+
+    paths = args.configs or sorted(p for p in glob.glob("configs/*.yaml") if "benchmark" not in p)
+    if not paths:
+        raise SystemExit("demo: no configs found; run from the repository root or pass --configs")
+    for p in paths:
+        bagua_lite.load_config(p)  # validate all before starting any process
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(prefix="bagua_lite_demo_"), "pg")
+    procs = [ctx.Process(target=_worker, args=(r, args.world_size, init_file, paths, args.epochs, out))
+             for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    print(f"{'config':<28}{'algorithm':<60}{'ms/step':>9}{'loss':>9}{'test acc':>10}")
+    for _ in paths:
+        path, res = _next_result(out, procs)
+        alg = repr(bagua_lite.load_config(path).algorithm)
+        print(f"{os.path.basename(path):<28}{alg[:58]:<60}{res['s_per_step'] * 1e3:>9.2f}"
+              f"{res['final_loss']:>9.4f}{res['accuracy']:>10.4f}", flush=True)
+    for p in procs:
+        p.join()
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise SystemExit(f"demo: worker exit codes {bad}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""DistributedModel: the training wrapper and its bucketing scheduler.
+
+One step, as data (see DESIGN.md):
+1. ``forward``: ``algorithm.before_forward()``, then the wrapped module.
+2. ``backward``: each parameter's post-accumulate-grad hook makes ``.grad`` a view of its bucket slot
+   and marks it ready. The moment the *next bucket in order* is complete it is handed to the C++ engine,
+   whose worker thread runs that bucket's ops while autograd goes on with earlier layers.
+3. end of backward (an autograd engine callback): buckets not yet handed over (parameters that got no
+   gradient this step are zero-filled) are submitted, the scheduler waits for the engine, results are
+   in ``.grad``; ``algorithm.after_backward()``.
+4. ``optimizer.step()``, then ``algorithm.after_step()`` (a step post hook on the optimizer).
+Buckets are submitted in one fixed order on every rank, so collectives always match across ranks.
+"""
+import contextlib
+import hashlib
+import json
+import time
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C, comm
+from ._groups import resolve_group
+from .algorithm import Algorithm, build
+from .bucket import Bucket, plan_buckets
+
+
+def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
+    text = json.dumps({"algorithm": algorithm.name, "options": algorithm.options(), "bucket_size_mb": bucket_size_mb},
+                      sort_keys=True, default=repr)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+class DistributedModel(torch.nn.Module):
+    """Wrap ``module`` and its ``optimizer`` for data-parallel training with a bagua_lite algorithm.
+
+    ``algorithm`` is an :class:`Algorithm` instance or a registered name. ``bucket_size_mb`` caps a
+    gradient bucket. Parameters and buffers are broadcast from rank 0 at set-up, and every rank must
+    pass the same algorithm options and bucket size (checked: a mismatch names the differing rank).
+
+    Example::
+
+        model = bagua_lite.DistributedModel(net, opt, algorithm="gtopk", bucket_size_mb=25)
+        for x, y in loader:
+            loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
+                 group=None, broadcast_parameters: bool = True):
+        super().__init__()
+        if isinstance(algorithm, str):
+            from . import algorithms  # noqa: F401  (registers the built-ins)
+            algorithm = build(algorithm)
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(f"DistributedModel: algorithm must be a bagua_lite.Algorithm or a registered name, "
+                            f"got {type(algorithm).__name__}")
+        if not isinstance(bucket_size_mb, (int, float)) or isinstance(bucket_size_mb, bool) or bucket_size_mb <= 0:
+            raise ValueError(f"DistributedModel: bucket_size_mb must be a number > 0, got {bucket_size_mb!r}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"DistributedModel: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.module = module
+        self.optimizer = optimizer
+        self.algorithm = algorithm
+        self.bucket_size_mb = float(bucket_size_mb)
+        self.process_group = resolve_group(group, "DistributedModel")
+        self.rank = self.process_group.rank()
+        self.world_size = self.process_group.size()
+
+        self._check_same_config()
+        if broadcast_parameters:
+            with torch.no_grad():
+                for t in list(module.parameters()) + list(module.buffers()):
+                    comm.broadcast(t.data, 0, self.process_group)
+
+        # Buckets in the order gradients become ready: reverse registration order.
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        plan = plan_buckets(list(reversed(self._params)), int(self.bucket_size_mb * 2 ** 20))
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan)]
+        self._slot = {}  # param -> (bucket index, position)
+        for b in self.buckets:
+            for j, p in enumerate(b.params):
+                self._slot[p] = (b.index, j)
+        self._engine = _C.Engine()
+        self.algorithm.model = self
+        self.algorithm.init(self)
+        for b in self.buckets:
+            b.ops = list(self.algorithm.bucket_ops(b))
+
+        self._sync_enabled = True
+        self._backward_active = False
+        self._ready = [0] * len(self.buckets)
+        self._marked = [[False] * len(b.params) for b in self.buckets]
+        self._next_bucket = 0
+        self.timings = {"backward_wait_s": 0.0}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
+
+    # ---- user-facing ---------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.algorithm.before_forward()
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) inside the block, like DDP's ``no_sync``."""
+        old = self._sync_enabled
+        self._sync_enabled = False
+        try:
+            yield
+        finally:
+            self._sync_enabled = old
+
+    def close(self):
+        """Remove hooks and stop the engine thread."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._engine.shutdown()
+
+    def algorithm_state_dict(self) -> dict:
+        return self.algorithm.state_dict()
+
+    def load_algorithm_state_dict(self, state: dict) -> None:
+        self.algorithm.load_state_dict(state)
+
+    # ---- set-up checks ---------------------------------------------------------------------------------
+    def _check_same_config(self):
+        mine = torch.tensor([_config_digest(self.algorithm, self.bucket_size_mb)], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.process_group)
+        differ = [r for r, d in enumerate(everyone) if int(d) != int(everyone[0])]
+        if differ:
+            raise ValueError(f"DistributedModel: ranks were started with different configurations: rank(s) "
+                             f"{differ} differ from rank 0 (this is rank {self.rank}, running "
+                             f"{self.algorithm!r}, bucket_size_mb={self.bucket_size_mb})")
+
+    # ---- the scheduler -----------------------------------------------------------------------------------
+    def _on_grad_ready(self, p):
+        if not self._sync_enabled or not self.algorithm.sync_gradients():
+            return
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bi, j = self._slot[p]
+        b = self.buckets[bi]
+        view = b.view(j)
+        if p.grad is not view and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
+            view.copy_(p.grad)
+            p.grad = view
+        if not self._marked[bi][j]:
+            self._marked[bi][j] = True
+            self._ready[bi] += 1
+        self._submit_ready()
+
+    def _submit_ready(self):
+        while self._next_bucket < len(self.buckets) and \
+                self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
+            b = self.buckets[self._next_bucket]
+            self._engine.submit(b.index, b.flat, b.ops)
+            self._next_bucket += 1
+
+    def _finish_backward(self):
+        # Parameters without a gradient this step contribute zeros, so every rank runs every bucket.
+        for b in self.buckets[self._next_bucket:]:
+            for j, p in enumerate(b.params):
+                if not self._marked[b.index][j]:
+                    view = b.view(j)
+                    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                        view.copy_(p.grad)
+                    else:
+                        view.zero_()
+                    p.grad = view
+                    self._marked[b.index][j] = True
+            self._ready[b.index] = len(b.params)
+        self._submit_ready()
+        t0 = time.perf_counter()
+        try:
+            self._engine.wait_all()
+        finally:
+            self.timings["backward_wait_s"] += time.perf_counter() - t0
+            self._backward_active = False
+            self._next_bucket = 0
+            self._ready = [0] * len(self.buckets)
+            self._marked = [[False] * len(b.params) for b in self.buckets]
+        self.algorithm.after_backward()
+
+    def _after_step(self):
+        self.algorithm.step += 1
+        self.algorithm.after_step()

@@ -1,0 +1,61 @@
+"""Compute kernels of the C++ core (CPU with OpenMP; other devices through ATen).
+
+All sparse sets are (values, int32 indices). A *canonical* set has strictly ascending indices.
+"""
+from typing import Tuple
+
+import torch
+
+from . import _C
+
+__all__ = ["topk", "topk_out", "compress", "decompress", "wire_bytes", "sparse_normalize", "merge_topk",
+           "scatter_add_", "ef_remove_"]
+
+
+def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Exact top-k of a contiguous float tensor by magnitude, read as flat.
+
+    Returns ``(values, int32 indices)`` in ascending index order; ties in ``|x|`` go to the lower index.
+    A sampled threshold and one filtering pass over ``x`` in the common case (no sort). NaN raises.
+    """
+    return _C.topk(x, k)
+
+
+def topk_out(x, k, values, indices) -> None:
+    """:func:`topk` into preallocated ``values`` (x.dtype) and ``indices`` (int32) of >= k elements."""
+    _C.topk_out(x, k, values, indices)
+
+
+def compress(x: torch.Tensor, compression: str) -> torch.Tensor:
+    """Compress ``x`` to its wire bytes (uint8): ``"fp16"`` or ``"minmax_uint8"``."""
+    return _C.compress(x, compression)
+
+
+def decompress(wire: torch.Tensor, compression: str, numel: int, dtype=torch.float32) -> torch.Tensor:
+    return _C.decompress(wire, compression, numel, dtype)
+
+
+def wire_bytes(compression: str, numel: int) -> int:
+    return _C.wire_bytes(compression, numel)
+
+
+def sparse_normalize(values, indices):
+    """Sort by index and sum duplicate indices (stable): a canonical set."""
+    return _C.sparse_normalize(values, indices)
+
+
+def merge_topk(av, ai, bv, bi, k: int):
+    """Union of two canonical sets (sum on equal indices), keeping the k largest by magnitude."""
+    return _C.merge_topk(av, ai, bv, bi, k)
+
+
+def scatter_add_(dense, values, indices):
+    """``dense[indices[j]] += values[j]`` in order of j."""
+    _C.scatter_add_(dense, values, indices)
+    return dense
+
+
+def ef_remove_(residual, indices):
+    """Error feedback: zero the entries of ``residual`` that were communicated."""
+    _C.ef_remove_(residual, indices)
+    return residual

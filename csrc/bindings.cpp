@@ -1,0 +1,134 @@
+// The only file that includes pybind: exposes the C++ core as bagua_lite._C.
+// torch/csrc/utils/pybind.h declares c10::intrusive_ptr as a pybind holder, so a Python
+// torch.distributed ProcessGroup arrives here as c10::intrusive_ptr<c10d::ProcessGroup>. Every entry
+// that communicates releases the GIL for its whole duration.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+#include "collectives/collectives.h"
+#include "common.h"
+#include "engine/engine.h"
+#include "kernels/compress.h"
+#include "kernels/sparse.h"
+#include "kernels/topk.h"
+
+namespace py = pybind11;
+namespace bl = bagua_lite;
+namespace coll = bagua_lite::collectives;
+namespace kern = bagua_lite::kernels;
+namespace eng = bagua_lite::engine;
+
+namespace {
+// An op written in Python (a callable taking the bucket's flat tensor). It runs on the engine thread
+// with the GIL held only while Python code runs; torch and bagua_lite calls inside release it again.
+class PyOp final : public eng::Op {
+ public:
+  explicit PyOp(py::object fn) : fn_(new py::object(std::move(fn))) {
+    py::gil_scoped_acquire gil;
+    name_ = py::str(py::getattr(*fn_, "__name__", py::str("python_op")));
+  }
+  ~PyOp() override {
+    py::gil_scoped_acquire gil;
+    delete fn_;
+  }
+  void run(at::Tensor& bucket) override {
+    py::gil_scoped_acquire gil;
+    (*fn_)(bucket);
+  }
+  std::string name() const override { return name_; }
+
+ private:
+  py::object* fn_;
+  std::string name_;
+};
+
+std::vector<eng::OpPtr> to_ops(const py::list& items) {
+  std::vector<eng::OpPtr> ops;
+  for (const auto& item : items) {
+    if (py::isinstance<eng::Op>(item)) {
+      ops.push_back(item.cast<eng::OpPtr>());
+    } else if (PyCallable_Check(item.ptr())) {
+      ops.push_back(std::make_shared<PyOp>(py::reinterpret_borrow<py::object>(item)));
+    } else {
+      throw py::type_error("bagua_lite engine: an op must be a bagua_lite._C.Op or a callable taking the bucket "
+                           "tensor, got " + std::string(py::str(py::type::of(item))));
+    }
+  }
+  return ops;
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "bagua_lite C++ core: kernels and collectives over torch.distributed process groups";
+  using release = py::call_guard<py::gil_scoped_release>;
+
+  // ---- kernels ----
+  m.def("topk", &kern::topk, "Exact top-k by magnitude; int32 indices ascending", py::arg("x"), py::arg("k"),
+        release());
+  m.def("topk_out", &kern::topk_out, py::arg("x"), py::arg("k"), py::arg("values"), py::arg("indices"), release());
+  m.def("compress", &kern::compress, py::arg("x"), py::arg("compression"), release());
+  m.def("decompress", &kern::decompress, py::arg("wire"), py::arg("compression"), py::arg("numel"),
+        py::arg("dtype"), release());
+  m.def("wire_bytes", [](const std::string& c, int64_t n) { return kern::get_compressor(c).wire_bytes(n); });
+  m.def("sparse_normalize", &kern::sparse_normalize, py::arg("values"), py::arg("indices"), release());
+  m.def("merge_topk", &kern::merge_topk, py::arg("av"), py::arg("ai"), py::arg("bv"), py::arg("bi"), py::arg("k"),
+        release());
+  m.def("scatter_add_", [](at::Tensor dense, const at::Tensor& v, const at::Tensor& i) { kern::scatter_add_(dense, v, i); },
+        py::arg("dense"), py::arg("values"), py::arg("indices"), release());
+  m.def("ef_remove_", [](at::Tensor r, const at::Tensor& i) { kern::ef_remove_(r, i); }, py::arg("residual"),
+        py::arg("indices"), release());
+
+  // ---- collectives ----
+  m.def("allreduce", [](const bl::ProcessGroupPtr& pg, at::Tensor t, bool avg) { coll::allreduce(pg, t, avg); },
+        py::arg("pg"), py::arg("t"), py::arg("average"), release());
+  m.def("broadcast", [](const bl::ProcessGroupPtr& pg, at::Tensor t, int64_t src) { coll::broadcast(pg, t, src); },
+        py::arg("pg"), py::arg("t"), py::arg("src"), release());
+  m.def("compressed_allreduce",
+        [](const bl::ProcessGroupPtr& pg, at::Tensor t, const std::string& c, bool avg) {
+          coll::compressed_allreduce(pg, t, c, avg);
+        },
+        py::arg("pg"), py::arg("t"), py::arg("compression"), py::arg("average"), release());
+  m.def("sparse_allreduce", &coll::sparse_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"),
+        py::arg("numel"), release());
+  m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
+        py::arg("exact"), release());
+  m.def("peer_average",
+        [](const bl::ProcessGroupPtr& pg, at::Tensor t, const std::string& mode, int64_t step) {
+          coll::peer_average(pg, t, mode, step);
+        },
+        py::arg("pg"), py::arg("t"), py::arg("mode"), py::arg("step"), release());
+  m.def("shift_one_partner", &coll::shift_one_partner, py::arg("rank"), py::arg("size"), py::arg("step"));
+
+  // ---- engine ----
+  py::class_<eng::Op, eng::OpPtr>(m, "Op").def_property_readonly("name", &eng::Op::name);
+  py::class_<eng::AllreduceOp, eng::Op, std::shared_ptr<eng::AllreduceOp>>(m, "AllreduceOp")
+      .def(py::init<bl::ProcessGroupPtr, bool>(), py::arg("pg"), py::arg("average"));
+  py::class_<eng::CompressedAllreduceOp, eng::Op, std::shared_ptr<eng::CompressedAllreduceOp>>(m, "CompressedAllreduceOp")
+      .def(py::init<bl::ProcessGroupPtr, std::string, bool>(), py::arg("pg"), py::arg("compression"),
+           py::arg("average"));
+  py::class_<eng::Engine, std::shared_ptr<eng::Engine>>(m, "Engine")
+      .def(py::init<>())
+      .def("submit",
+           [](eng::Engine& e, int64_t id, at::Tensor bucket, const py::list& ops) {
+             auto native = to_ops(ops);
+             py::gil_scoped_release nogil;
+             e.submit(id, std::move(bucket), std::move(native));
+           },
+           py::arg("bucket_id"), py::arg("bucket"), py::arg("ops"))
+      .def("wait_all", &eng::Engine::wait_all, release())
+      .def("shutdown", &eng::Engine::shutdown, release())
+      .def("stats",
+           [](eng::Engine& e) {
+             auto s = e.stats();
+             return py::dict(py::arg("buckets_done") = s.buckets_done, py::arg("busy_seconds") = s.busy_seconds);
+           })
+      .def("reset_stats", &eng::Engine::reset_stats);
+
+  // ---- traffic counters ----
+  m.def("bytes_sent", [] { return bl::traffic().bytes_sent.load(); });
+  m.def("messages_sent", [] { return bl::traffic().messages.load(); });
+  m.def("reset_traffic", [] {
+    bl::traffic().bytes_sent = 0;
+    bl::traffic().messages = 0;
+  });
+}

@@ -1,0 +1,52 @@
+// Primitive collectives over a c10d::ProcessGroup (gloo on CPU, NCCL on GPU). Each is synchronous:
+// it returns when its result is in place, so a caller that issues them in one order on every rank can
+// never have two of them in flight out of order. Each is implemented in its own file.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <string>
+#include <tuple>
+
+#include "common.h"
+
+namespace bagua_lite {
+namespace collectives {
+
+// Dense allreduce in place; average=true divides by the group size.
+void allreduce(const ProcessGroupPtr& pg, at::Tensor& t, bool average);
+
+// Broadcast in place from `src` (a rank of `pg`).
+void broadcast(const ProcessGroupPtr& pg, at::Tensor& t, int64_t src);
+
+// BAGUA's centralized low-precision allreduce: compress P chunks, all-to-all, decompress and reduce the
+// own chunk, recompress, allgather, decompress. Identical result on every rank.
+void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& compression, bool average);
+
+// TopKAllReduce: allgather of packed (k values, k int32 indices) buffers, scatter-summed into a dense
+// tensor of `numel` elements. Ranks may hold different k.
+at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
+                            int64_t numel);
+
+// Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
+// most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.
+std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
+                                                   const at::Tensor& indices, int64_t k, bool exact);
+
+// Decentralized averaging with peers: "ring" (both neighbours), "shift_one" (one partner that rotates
+// with `step`; a round-robin schedule, one rank idle per step when P is odd), "all" (everyone).
+void peer_average(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& mode, int64_t step);
+
+// The partner of `rank` at `step` in the shift_one schedule, or -1 if it sits this step out.
+int64_t shift_one_partner(int64_t rank, int64_t size, int64_t step);
+
+// ---- thin wrappers around the process group that also count traffic -----------------------------------
+void pg_allreduce_sum(const ProcessGroupPtr& pg, at::Tensor& t);
+// out has P * in.numel() elements; rank r's input lands at out[r*n:(r+1)*n].
+void pg_allgather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in);
+// Send `send` to `peer` and receive `recv` from `peer` at the same time (both posted before waiting).
+void pg_exchange(const ProcessGroupPtr& pg, at::Tensor& send, at::Tensor& recv, int64_t peer, int tag);
+void pg_send(const ProcessGroupPtr& pg, at::Tensor& t, int64_t peer, int tag);
+void pg_recv(const ProcessGroupPtr& pg, at::Tensor& t, int64_t peer, int tag);
+
+}  // namespace collectives
+}  // namespace bagua_lite

@@ -1,0 +1,70 @@
+// TopKAllReduce (gTop-k paper, Algorithm 1's baseline): every rank contributes its own (value, index)
+// pairs; one allgather moves them all; each rank scatter-sums them into a dense tensor.
+// Message: [k_max values][k_max int32 indices], padded to the largest k in the group, so a rank sends
+// (P-1) * k_max * (sizeof(value) + 4) bytes. A tiny allgather of (k, numel, dtype) comes first so that
+// ranks may hold different k and mismatched arguments fail with a clear error on every rank.
+#include <ATen/Dispatch.h>
+
+#include "collectives/collectives.h"
+#include "kernels/sparse.h"
+
+namespace bagua_lite {
+namespace collectives {
+
+at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
+                            int64_t numel) {
+  BL_CHECK(numel >= 0, "sparse_allreduce: numel must be >= 0, got ", numel);
+  kernels::check_sparse_args(values, indices, numel, "sparse_allreduce");
+  const int64_t P = pg->getSize(), me = pg->getRank();
+  const auto dev = values.device();
+  const int64_t elem = values.element_size();
+
+  // Meta exchange: (k, numel, dtype) of every rank.
+  auto meta = at::tensor({values.numel(), numel, static_cast<int64_t>(values.scalar_type())},
+                         at::TensorOptions().dtype(at::kLong)).to(dev);
+  auto metas = at::empty({P * 3}, meta.options());
+  pg_allgather(pg, metas, meta);
+  auto m = metas.cpu();
+  const int64_t* mp = m.const_data_ptr<int64_t>();
+  int64_t kmax = 0;
+  for (int64_t r = 0; r < P; ++r) {
+    BL_CHECK(mp[3 * r + 1] == numel, "sparse_allreduce: rank ", me, " has numel=", numel, " but rank ", r, " has ",
+             mp[3 * r + 1], "; all ranks must pass the same numel");
+    BL_CHECK(mp[3 * r + 2] == mp[2], "sparse_allreduce: rank ", r, " sends values of dtype ",
+             static_cast<at::ScalarType>(mp[3 * r + 2]), " but rank 0 sends ", static_cast<at::ScalarType>(mp[2]),
+             "; all ranks must use one dtype");
+    kmax = std::max(kmax, mp[3 * r]);
+  }
+
+  auto dense = at::zeros({numel}, values.options());
+  if (kmax == 0) return dense;
+
+  // Pack: values then indices, padded to kmax.
+  const int64_t msg = kmax * (elem + 4);
+  auto send = scratch_bytes(Slot::kSend, msg, dev);
+  const int64_t k = values.numel();
+  send.narrow(0, 0, k * elem).copy_(values.view(at::kByte));
+  send.narrow(0, kmax * elem, k * 4).copy_(indices.view(at::kByte));
+  auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
+  pg_allgather(pg, recv, send);
+
+  // A packed block starts at r * kmax * (elem + 4) bytes and its indices kmax * elem bytes further, which
+  // is not always a multiple of the element size (float64 or 16-bit values with an odd kmax): view the
+  // bytes in place when aligned, else from an aligned copy.
+  auto typed = [](const at::Tensor& bytes, at::ScalarType t) {
+    return bytes.storage_offset() % at::elementSize(t) == 0 ? bytes.view(t) : bytes.clone().view(t);
+  };
+  // Scatter-sum in rank order: the same order on every rank, so the same bits everywhere.
+  for (int64_t r = 0; r < P; ++r) {
+    const int64_t kr = mp[3 * r];
+    if (kr == 0) continue;
+    auto base = recv.narrow(0, r * msg, msg);
+    auto vr = typed(base.narrow(0, 0, kr * elem), values.scalar_type());
+    auto ir = typed(base.narrow(0, kmax * elem, kr * 4), at::kInt);
+    kernels::scatter_add_(dense, vr, ir);
+  }
+  return dense;
+}
+
+}  // namespace collectives
+}  // namespace bagua_lite

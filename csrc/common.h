@@ -1,0 +1,58 @@
+// Shared helpers for the C++ core: process-group handle, argument checks, reusable scratch buffers
+// and the per-process traffic counters that benchmarks read.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bagua_lite {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+
+// ---- argument checks: every message names the function, the bad value and what is allowed ----------
+#define BL_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
+
+inline void check_contiguous(const at::Tensor& t, const char* fn, const char* name) {
+  BL_CHECK(t.is_contiguous(), fn, ": `", name, "` must be contiguous (got a non-contiguous tensor of shape ",
+           t.sizes(), " and strides ", t.strides(), "); call .contiguous() first");
+}
+
+inline void check_floating(const at::Tensor& t, const char* fn, const char* name) {
+  BL_CHECK(at::isFloatingType(t.scalar_type()), fn, ": `", name,
+           "` must be float32, float64, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_int32(const at::Tensor& t, const char* fn, const char* name) {
+  BL_CHECK(t.scalar_type() == at::kInt, fn, ": `", name, "` must be int32, got ", t.scalar_type());
+}
+
+// ---- traffic accounting ------------------------------------------------------------------------------
+// Bytes this process hands to the transport, per collective family. Point-to-point sends are counted
+// exactly; for library collectives (ring allreduce/allgather, all-to-all) we add what a ring algorithm
+// sends per rank, documented next to each call.
+struct TrafficCounters {
+  std::atomic<int64_t> bytes_sent{0};
+  std::atomic<int64_t> messages{0};
+};
+TrafficCounters& traffic();
+inline void count_sent(int64_t bytes, int64_t messages = 1) {
+  traffic().bytes_sent.fetch_add(bytes, std::memory_order_relaxed);
+  traffic().messages.fetch_add(messages, std::memory_order_relaxed);
+}
+
+// ---- reusable scratch ----------------------------------------------------------------------------------
+// A grow-only byte buffer per (thread, slot, device). Collectives wait for their work before returning,
+// so a slot is never in use by two calls of the same thread at once. Slots are named by the enum below
+// so that two buffers live at the same time never alias.
+enum class Slot : int { kSend = 0, kRecv, kAux, kAux2, kCount };
+at::Tensor scratch_bytes(Slot slot, int64_t nbytes, const at::Device& device);
+
+// Blocks until the work is done; rethrows the backend's error (e.g. a timed-out or failed peer).
+inline void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
+
+}  // namespace bagua_lite

@@ -1,0 +1,34 @@
+// Pluggable compressors: what travels on the wire for a chunk of a dense tensor.
+// A compressor turns n elements into wire_bytes(n) bytes and back. Wire formats (little endian):
+//   fp16          n * 2 bytes of IEEE half.
+//   minmax_uint8  [min: f32][max: f32][n bytes q], x ~= min + q * (max - min) / 255  (BAGUA's ByteGrad).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <memory>
+#include <string>
+
+namespace bagua_lite {
+namespace kernels {
+
+class Compressor {
+ public:
+  virtual ~Compressor() = default;
+  virtual const char* name() const = 0;
+  virtual int64_t wire_bytes(int64_t n) const = 0;
+  // x: contiguous floating tensor of n elements; out: uint8 tensor of wire_bytes(n) bytes.
+  virtual void compress(const at::Tensor& x, at::Tensor& out) const = 0;
+  // in: uint8 wire bytes of n elements; out: contiguous floating tensor of n elements.
+  // accumulate=false overwrites out, accumulate=true adds into it.
+  virtual void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const = 0;
+};
+
+// "fp16" or "minmax_uint8"; anything else raises a ValueError listing the allowed names.
+const Compressor& get_compressor(const std::string& name);
+
+// Convenience wrappers for the Python kernels module.
+at::Tensor compress(const at::Tensor& x, const std::string& name);
+at::Tensor decompress(const at::Tensor& wire, const std::string& name, int64_t numel, at::ScalarType dtype);
+
+}  // namespace kernels
+}  // namespace bagua_lite

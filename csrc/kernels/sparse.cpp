@@ -1,0 +1,222 @@
+#include "kernels/sparse.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "common.h"
+
+namespace bagua_lite {
+namespace kernels {
+
+namespace {
+template <typename T>
+inline auto magnitude(T v) {
+  using acc_t = at::opmath_type<T>;
+  return std::abs(static_cast<acc_t>(v));
+}
+}  // namespace
+
+template <typename T>
+int64_t normalize_raw(T* values, int32_t* indices, int64_t n, std::vector<int64_t>& order,
+                      std::vector<T>& vs, std::vector<int32_t>& is) {
+  if (n == 0) return 0;
+  bool canonical = true;
+  for (int64_t j = 1; j < n && canonical; ++j) canonical = indices[j - 1] < indices[j];
+  if (canonical) return n;
+  order.resize(n);
+  std::iota(order.begin(), order.end(), 0);
+  // Stable: duplicates are summed in their input order, so the result is deterministic.
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return indices[a] < indices[b]; });
+  vs.resize(n);
+  is.resize(n);
+  int64_t m = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t s = order[j];
+    if (m > 0 && is[m - 1] == indices[s]) {
+      vs[m - 1] = static_cast<T>(static_cast<at::opmath_type<T>>(vs[m - 1]) + static_cast<at::opmath_type<T>>(values[s]));
+    } else {
+      vs[m] = values[s];
+      is[m] = indices[s];
+      ++m;
+    }
+  }
+  std::copy(vs.begin(), vs.begin() + m, values);
+  std::copy(is.begin(), is.begin() + m, indices);
+  return m;
+}
+
+template <typename T>
+int64_t merge_topk_raw(const T* av, const int32_t* ai, int64_t na, const T* bv, const int32_t* bi, int64_t nb,
+                       int64_t k, T* ov, int32_t* oi, std::vector<T>& mv, std::vector<int32_t>& mi,
+                       std::vector<int64_t>& order) {
+  using acc_t = at::opmath_type<T>;
+  // 1. Two-pointer union, summing equal indices.
+  mv.resize(na + nb);
+  mi.resize(na + nb);
+  int64_t a = 0, b = 0, m = 0;
+  while (a < na || b < nb) {
+    if (b >= nb || (a < na && ai[a] < bi[b])) {
+      mv[m] = av[a]; mi[m++] = ai[a++];
+    } else if (a >= na || bi[b] < ai[a]) {
+      mv[m] = bv[b]; mi[m++] = bi[b++];
+    } else {
+      mv[m] = static_cast<T>(static_cast<acc_t>(av[a]) + static_cast<acc_t>(bv[b]));
+      mi[m++] = ai[a];
+      ++a; ++b;
+    }
+  }
+  // 2. Keep the k largest by magnitude, ties by lower index.
+  if (m <= k) {
+    std::copy(mv.begin(), mv.begin() + m, ov);
+    std::copy(mi.begin(), mi.begin() + m, oi);
+    return m;
+  }
+  order.resize(m);
+  std::iota(order.begin(), order.end(), 0);
+  auto better = [&](int64_t x, int64_t y) {
+    const auto mx = magnitude(mv[x]), my = magnitude(mv[y]);
+    return mx > my || (mx == my && x < y);  // position order == index order in the union
+  };
+  std::nth_element(order.begin(), order.begin() + k, order.end(), better);
+  std::sort(order.begin(), order.begin() + k);
+  for (int64_t j = 0; j < k; ++j) {
+    ov[j] = mv[order[j]];
+    oi[j] = mi[order[j]];
+  }
+  return k;
+}
+
+#define BL_INSTANTIATE(T)                                                                                   \
+  template int64_t normalize_raw<T>(T*, int32_t*, int64_t, std::vector<int64_t>&, std::vector<T>&,          \
+                                    std::vector<int32_t>&);                                                 \
+  template int64_t merge_topk_raw<T>(const T*, const int32_t*, int64_t, const T*, const int32_t*, int64_t,  \
+                                     int64_t, T*, int32_t*, std::vector<T>&, std::vector<int32_t>&,         \
+                                     std::vector<int64_t>&);
+BL_INSTANTIATE(float)
+BL_INSTANTIATE(double)
+BL_INSTANTIATE(at::Half)
+BL_INSTANTIATE(at::BFloat16)
+#undef BL_INSTANTIATE
+
+void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn) {
+  check_floating(values, fn, "values");
+  check_int32(indices, fn, "indices");
+  check_contiguous(values, fn, "values");
+  check_contiguous(indices, fn, "indices");
+  BL_CHECK(values.dim() == 1 && indices.dim() == 1, fn, ": `values` and `indices` must be 1-D, got shapes ",
+           values.sizes(), " and ", indices.sizes());
+  BL_CHECK(values.numel() == indices.numel(), fn, ": `values` has ", values.numel(), " elements but `indices` has ",
+           indices.numel(), "; they must match");
+  BL_CHECK(values.device() == indices.device(), fn, ": `values` is on ", values.device(), " but `indices` is on ",
+           indices.device());
+  // Indices are never negative (gtopk_allreduce's wire format uses -1 as its end marker); numel < 0 means
+  // "no upper bound known here".
+  if (indices.numel() > 0) {
+    auto idx = indices.device().is_cpu() ? indices : indices.cpu();
+    const int32_t* p = idx.const_data_ptr<int32_t>();
+    for (int64_t j = 0; j < idx.numel(); ++j) {
+      if (numel >= 0) {
+        BL_CHECK(p[j] >= 0 && p[j] < numel, fn, ": index ", p[j], " at position ", j, " is out of range [0, ",
+                 numel, ")");
+      } else {
+        BL_CHECK(p[j] >= 0, fn, ": index ", p[j], " at position ", j, " is out of range: indices must be >= 0");
+      }
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_normalize(const at::Tensor& values, const at::Tensor& indices) {
+  check_sparse_args(values, indices, -1, "sparse_normalize");
+  auto v = values.cpu().clone();
+  auto i = indices.cpu().clone();
+  int64_t m = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "sparse_normalize", [&] {
+    std::vector<int64_t> order;
+    std::vector<scalar_t> vs;
+    std::vector<int32_t> is;
+    m = normalize_raw<scalar_t>(v.data_ptr<scalar_t>(), i.data_ptr<int32_t>(), v.numel(), order, vs, is);
+  });
+  return {v.narrow(0, 0, m).to(values.device()), i.narrow(0, 0, m).to(indices.device())};
+}
+
+static void check_canonical(const at::Tensor& idx, const char* name) {
+  const int32_t* p = idx.const_data_ptr<int32_t>();
+  for (int64_t j = 1; j < idx.numel(); ++j) {
+    BL_CHECK(p[j - 1] < p[j], "merge_topk: `", name, "` must be strictly ascending (canonical); position ", j,
+             " has ", p[j], " after ", p[j - 1], ". Use sparse_normalize first");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_topk(const at::Tensor& av, const at::Tensor& ai, const at::Tensor& bv,
+                                              const at::Tensor& bi, int64_t k) {
+  check_sparse_args(av, ai, -1, "merge_topk");
+  check_sparse_args(bv, bi, -1, "merge_topk");
+  BL_CHECK(av.scalar_type() == bv.scalar_type(), "merge_topk: value dtypes differ (", av.scalar_type(), " vs ",
+           bv.scalar_type(), ")");
+  BL_CHECK(k >= 0, "merge_topk: k must be >= 0, got ", k);
+  auto a_v = av.cpu(), a_i = ai.cpu(), b_v = bv.cpu(), b_i = bi.cpu();
+  check_canonical(a_i, "ai");
+  check_canonical(b_i, "bi");
+  const int64_t cap = std::min<int64_t>(k, a_v.numel() + b_v.numel());
+  auto ov = at::empty({cap}, a_v.options());
+  auto oi = at::empty({cap}, a_i.options());
+  int64_t m = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a_v.scalar_type(), "merge_topk", [&] {
+    std::vector<scalar_t> mv;
+    std::vector<int32_t> mi;
+    std::vector<int64_t> order;
+    m = merge_topk_raw<scalar_t>(a_v.const_data_ptr<scalar_t>(), a_i.const_data_ptr<int32_t>(), a_v.numel(),
+                                 b_v.const_data_ptr<scalar_t>(), b_i.const_data_ptr<int32_t>(), b_v.numel(), k,
+                                 ov.data_ptr<scalar_t>(), oi.data_ptr<int32_t>(), mv, mi, order);
+  });
+  return {ov.narrow(0, 0, m).to(av.device()), oi.narrow(0, 0, m).to(ai.device())};
+}
+
+void scatter_add_(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
+  check_contiguous(dense, "scatter_add_", "dense");
+  check_floating(dense, "scatter_add_", "dense");
+  check_sparse_args(values, indices, dense.numel(), "scatter_add_");
+  if (!dense.device().is_cpu()) {
+    // index_add_ on CUDA is not deterministic in order; scatter results may differ in the last bit
+    // between runs but every rank runs the same kernel on the same data.
+    dense.view(-1).index_add_(0, indices, values.to(dense.scalar_type()));
+    return;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add_", [&] {
+    using dense_t = scalar_t;
+    dense_t* d = dense.data_ptr<dense_t>();
+    const int32_t* ip = indices.const_data_ptr<int32_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "scatter_add_values", [&] {
+      const scalar_t* vp = values.const_data_ptr<scalar_t>();
+      for (int64_t j = 0; j < values.numel(); ++j) {
+        d[ip[j]] = static_cast<dense_t>(static_cast<at::opmath_type<dense_t>>(d[ip[j]]) +
+                                        static_cast<at::opmath_type<dense_t>>(vp[j]));
+      }
+    });
+  });
+}
+
+void ef_remove_(at::Tensor& residual, const at::Tensor& indices) {
+  check_contiguous(residual, "ef_remove_", "residual");
+  check_int32(indices, "ef_remove_", "indices");
+  if (!residual.device().is_cpu()) {
+    residual.view(-1).index_fill_(0, indices.to(at::kLong), 0);
+    return;
+  }
+  const int64_t n = residual.numel();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, residual.scalar_type(), "ef_remove_", [&] {
+    scalar_t* r = residual.data_ptr<scalar_t>();
+    const int32_t* ip = indices.const_data_ptr<int32_t>();
+    for (int64_t j = 0; j < indices.numel(); ++j) {
+      BL_CHECK(ip[j] >= 0 && ip[j] < n, "ef_remove_: index ", ip[j], " out of range [0, ", n, ")");
+      r[ip[j]] = scalar_t(0);
+    }
+  });
+}
+
+}  // namespace kernels
+}  // namespace bagua_lite

@@ -1,0 +1,40 @@
+// Sparse (value, int32 index) sets and the operations gTop-k and error feedback need.
+// A *canonical* sparse set has strictly ascending indices (no duplicates); its values may be any
+// floating dtype. Merging two canonical sets sums values on equal indices and keeps the k entries of
+// largest magnitude, ties broken by lower index, and returns them canonical. The merge is symmetric
+// bit-for-bit (a + b == b + a in IEEE arithmetic), which is what makes every gTop-k rank end with the
+// identical set.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <tuple>
+#include <vector>
+
+namespace bagua_lite {
+namespace kernels {
+
+// Raw-pointer forms used inside collectives (no allocation beyond the caller's scratch).
+template <typename T>
+int64_t normalize_raw(T* values, int32_t* indices, int64_t n, std::vector<int64_t>& order_scratch,
+                      std::vector<T>& vscratch, std::vector<int32_t>& iscratch);
+template <typename T>
+int64_t merge_topk_raw(const T* av, const int32_t* ai, int64_t na, const T* bv, const int32_t* bi, int64_t nb,
+                       int64_t k, T* ov, int32_t* oi, std::vector<T>& mv, std::vector<int32_t>& mi,
+                       std::vector<int64_t>& order_scratch);
+
+// Tensor forms (Python `bagua_lite.kernels`).
+// Sort by index and sum duplicates: returns a canonical set.
+std::tuple<at::Tensor, at::Tensor> sparse_normalize(const at::Tensor& values, const at::Tensor& indices);
+// Merge two canonical sets, keep the top k by magnitude (ties: lower index). Returns a canonical set.
+std::tuple<at::Tensor, at::Tensor> merge_topk(const at::Tensor& av, const at::Tensor& ai, const at::Tensor& bv,
+                                              const at::Tensor& bi, int64_t k);
+// dense[indices[j]] += values[j], in order of j (deterministic). Indices must lie in [0, dense.numel()).
+void scatter_add_(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
+// Error feedback: residual already holds (gradient + old residual); remove the entries that were sent.
+void ef_remove_(at::Tensor& residual, const at::Tensor& indices);
+
+// Check values/indices form a valid sparse argument for a tensor of `numel` elements (clear errors).
+void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn);
+
+}  // namespace kernels
+}  // namespace bagua_lite

@@ -1,0 +1,131 @@
+"""Real multi-process gloo groups on loopback for tests.
+
+``Cluster(P)`` starts P spawned processes that join one gloo process group and then serve tasks: a
+test calls ``cluster.run(fn, *args)`` with a module-level function ``fn(rank, world_size, *args)``, every
+rank runs it, and the per-rank results come back as a list (index = rank). A remote exception is
+re-raised here with every failing rank's traceback; the cluster is then torn down, because a group whose
+ranks fell out of step cannot be trusted for the next test.
+"""
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+
+
+def _worker(rank, world_size, init_file, timeout_s, tasks, results):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    while True:
+        try:
+            task = tasks.get()  # unpickling imports fn's module, which may itself fail
+        except BaseException:  # noqa: BLE001
+            results.put((rank, False, "could not receive the task:\n" + traceback.format_exc()))
+            continue
+        if task is None:
+            break
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RemoteError(RuntimeError):
+    """A task failed, timed out or lost a rank. ``partial``: {rank: (ok, value)} of the ranks that did
+    report; ``dead``: the ranks whose process had exited."""
+
+    def __init__(self, msg, partial=None, dead=()):
+        super().__init__(msg)
+        self.partial = dict(partial or {})
+        self.dead = list(dead)
+
+
+class Cluster:
+    def __init__(self, world_size, timeout_s=60):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        fd, self._init_file = tempfile.mkstemp(prefix="bagua_lite_pg_")
+        os.close(fd)
+        os.unlink(self._init_file)  # FileStore creates it
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=_worker, daemon=True,
+                                   args=(r, world_size, self._init_file, timeout_s, self._tasks[r], self._results))
+                       for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn, *args, timeout=180, grace=30):
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
+
+        Fails fast instead of hanging: if a rank's process exits, or a rank reports an error, the others
+        get at most ``grace`` more seconds (they may be stuck in a collective with it) before this raises.
+        """
+        if self.broken:
+            raise RemoteError(f"{fn.__name__}: cluster is broken by an earlier failure")
+        for q in self._tasks:
+            q.put((fn, args))
+        got = {}
+        deadline = time.monotonic() + timeout
+        dead = []
+        while len(got) + len(dead) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                break
+            try:
+                rank, ok, value = self._results.get(timeout=min(0.5, deadline - now))
+                got[rank] = (ok, value)
+                if not ok:
+                    deadline = min(deadline, time.monotonic() + grace)
+                continue
+            except queue.Empty:
+                pass
+            newly_dead = [r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got and r not in dead]
+            if newly_dead:
+                dead += newly_dead
+                deadline = min(deadline, time.monotonic() + grace)
+                if len(got) + len(dead) >= self.world_size:
+                    # Drain anything a rank put just before exiting.
+                    try:
+                        while True:
+                            rank, ok, value = self._results.get(timeout=0.2)
+                            got[rank] = (ok, value)
+                    except queue.Empty:
+                        pass
+                    break
+        errors = [f"--- rank {r} ---\n{v}" for r, (ok, v) in sorted(got.items()) if not ok]
+        missing = [r for r in range(self.world_size) if r not in got]
+        if errors or missing:
+            self.broken = True
+            dead = sorted(set(dead) | {r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got})
+            parts = []
+            if missing:
+                parts.append(f"no result from rank(s) {missing} (dead: {dead})")
+            if errors:
+                parts.append(f"failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            raise RemoteError(f"{fn.__name__}: " + "; ".join(parts), partial=got, dead=dead)
+        return [got[r][1] for r in range(self.world_size)]
+
+    def close(self):
+        for q, p in zip(self._tasks, self._procs):
+            if p.is_alive():
+                try:
+                    q.put(None)
+                except Exception:  # noqa: BLE001
+                    pass
+        for p in self._procs:
+            p.join(timeout=2 if self.broken else 10)  # a broken group may hang in its teardown
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(self._init_file):
+            os.unlink(self._init_file)

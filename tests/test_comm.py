@@ -1,0 +1,607 @@
+"""bagua_lite.comm on real gloo groups (P = 1, 2, 3, 4, 5, 8 spawned ranks on loopback).
+
+Every rank generates every rank's input from (seed, rank), so each rank computes the reference itself
+with plain torch/numpy and checks its own result; the per-rank results' hashes come back to the test,
+which checks that ranks agree bit-for-bit where the API promises it. Each remote function batches many
+checks so that a world size costs a handful of round trips.
+"""
+import hashlib
+import os
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import bagua_lite
+from bagua_lite import _C
+from bagua_lite import comm as C
+from bagua_lite import kernels as K
+
+from cluster import Cluster, RemoteError
+
+SEED = 1234
+
+
+# ---------------------------------------------------------------------------------------------------------
+# helpers (used on the ranks)
+
+
+def _gen(seed, rank, tag):
+    return torch.Generator().manual_seed((seed * 1_000_003 + rank * 7919 + tag) % (2 ** 62))
+
+
+def _data(seed, rank, n, dtype=torch.float32, tag=0):
+    g = _gen(seed, rank, tag)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g).to(dtype)
+
+
+def _sha(t):
+    t = t.contiguous()
+    return f"{t.dtype}{tuple(t.shape)}:" + hashlib.sha1(t.view(torch.uint8).numpy().tobytes()
+                                                       if t.numel() else b"").hexdigest()
+
+
+def _expect(exc, pattern, fn, *args, **kwargs):
+    """fn(*args) must raise exc with a message matching pattern; returns the message."""
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        msg = str(e)
+        assert re.search(pattern, msg), f"{fn.__name__}: message {msg!r} does not match {pattern!r}"
+        return msg
+    raise AssertionError(f"{fn.__name__}{args!r}: expected {exc.__name__} matching {pattern!r}, nothing raised")
+
+
+def _chunks(n, P):
+    return [(i * (n // P) + min(i, n % P), n // P + (1 if i < n % P else 0)) for i in range(P)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# allreduce
+
+
+def _r_allreduce(rank, P, seed):
+    hashes = {}
+    cases = [(torch.float32, n) for n in (0, 1, 7, 1001, 1_000_003)]
+    cases += [(torch.float64, n) for n in (0, 1, 5, 777, 300_001)]
+    for dtype, n in cases:
+        xs = [_data(seed, r, n, dtype, tag=n) for r in range(P)]
+        ref_sum = torch.stack(xs).double().sum(0) if n else torch.zeros(0, dtype=torch.float64)
+        for op in ("avg", "sum"):
+            t = xs[rank].clone()
+            out = C.allreduce(t, op=op)
+            assert out is t and t.dtype == dtype and t.shape == (n,)
+            ref = ref_sum / P if op == "avg" else ref_sum
+            tol = 1e-5 if dtype == torch.float32 else 1e-12
+            assert torch.allclose(t.double(), ref, rtol=tol, atol=tol * P), (dtype, n, op)
+            if P == 1:
+                assert torch.equal(t, xs[0])  # nothing to reduce: untouched
+            hashes[(str(dtype), n, op)] = _sha(t)
+    # Integer sums are exact.
+    xs = [_data(seed, r, 513, torch.int64, tag=5) for r in range(P)]
+    t = xs[rank].clone()
+    C.allreduce(t, op="sum")
+    assert torch.equal(t, torch.stack(xs).sum(0))
+    # 2-D tensors reduce elementwise and keep their shape.
+    xs = [_data(seed, r, 60, tag=6).view(6, 10) for r in range(P)]
+    t = xs[rank].clone()
+    C.allreduce(t)
+    assert t.shape == (6, 10) and torch.allclose(t, torch.stack(xs).mean(0), atol=1e-6)
+    return hashes
+
+
+def test_allreduce(cluster):
+    res = cluster.run(_r_allreduce, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after allreduce"
+    assert len(res[0]) == 20
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compressed_allreduce
+
+
+def _compressed_reference(xs, compression, average):
+    """Python re-implementation of compressed_allreduce (see the docstring / compressed_allreduce.cpp)."""
+    P, n, dtype = len(xs), xs[0].numel(), xs[0].dtype
+    out = torch.empty(n, dtype=dtype)
+    bound = torch.zeros(n, dtype=torch.float64)
+    for b, ln in _chunks(n, P):
+        acc = None
+        for r in range(P):
+            piece = xs[r][b:b + ln]
+            dec = K.decompress(K.compress(piece, compression), compression, ln, dtype)
+            acc = dec.clone() if acc is None else acc + dec
+            if ln:
+                if compression == "fp16":
+                    bound[b:b + ln] += piece.double().abs() * 2.0 ** -11 / (P if average else 1)
+                else:
+                    step = (piece.float().max() - piece.float().min()).double() / 255
+                    bound[b:b + ln] += step / 2 / (P if average else 1)
+        if average:
+            acc = acc / P
+        out[b:b + ln] = K.decompress(K.compress(acc, compression), compression, ln, dtype)
+        if ln:
+            if compression == "fp16":
+                bound[b:b + ln] += acc.double().abs() * 2.0 ** -11
+            else:
+                bound[b:b + ln] += (acc.float().max() - acc.float().min()).double() / 255 / 2
+    return out, bound
+
+
+def _r_compressed(rank, P, seed):
+    hashes = {}
+    sizes = sorted({0, 1, max(P - 1, 0), P + 1, 1000, 65_537})
+    for compression in ("fp16", "minmax_uint8"):
+        for dtype in (torch.float32, torch.float64):
+            for n in sizes:
+                xs = [_data(seed, r, n, dtype, tag=n + 1) * (r + 1) for r in range(P)]
+                for op in ("avg", "sum"):
+                    t = xs[rank].clone()
+                    out = C.compressed_allreduce(t, compression=compression, op=op)
+                    assert out is t and t.shape == (n,) and t.dtype == dtype
+                    key = (compression, str(dtype), n, op)
+                    if P == 1:
+                        assert torch.equal(t, xs[0]), key  # documented: left exactly as it is
+                    else:
+                        ref, bound = _compressed_reference(xs, compression, op == "avg")
+                        bad = (t != ref).nonzero().flatten()[:5].tolist()
+                        assert torch.equal(t, ref), (key, bad, t[bad].tolist(), ref[bad].tolist())
+                        true = torch.stack(xs).double().sum(0) if n else torch.zeros(0, dtype=torch.float64)
+                        if op == "avg":
+                            true = true / P
+                        err = (t.double() - true).abs()
+                        slack = 1e-6 * (1 + true.abs()) * P
+                        assert torch.all(err <= bound * 1.001 + slack), (key, (err - bound).max().item())
+                    hashes[key] = _sha(t)
+    # A 2-D tensor: chunks are over the flat view.
+    x = _data(seed, rank, 120, tag=99).view(12, 10)
+    C.compressed_allreduce(x, "minmax_uint8")
+    hashes["2d"] = _sha(x)
+    return hashes
+
+
+def test_compressed_allreduce(cluster):
+    res = cluster.run(_r_compressed, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after compressed_allreduce"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse_allreduce
+
+
+def _sparse_inputs(seed, r, P, numel, dtype, case):
+    g = _gen(seed, r, 50 + case)
+    if case == 0:
+        k = 0 if (r == 0 and P > 1) or r == 3 else int(torch.randint(1, 40, (1,), generator=g))
+    elif case == 1:
+        k = 0  # everyone empty
+    else:
+        k = 5 * (r + 1)
+    if numel == 0:
+        k = 0
+    idx = torch.randint(0, max(numel, 1), (k,), generator=g, dtype=torch.int32)
+    if k >= 3:
+        idx[1] = idx[0]  # a duplicate within the rank
+        idx[2] = idx[0]
+    val = torch.randn(k, generator=g, dtype=torch.float64).to(dtype)
+    return val, idx
+
+
+def _r_sparse(rank, P, seed):
+    hashes = {}
+    for dtype in (torch.float32, torch.float64):
+        for case, numel in ((0, 1000), (0, 7), (1, 1000), (2, 50), (1, 0)):
+            ins = [_sparse_inputs(seed, r, P, numel, dtype, case) for r in range(P)]
+            v, i = ins[rank]
+            out = C.sparse_allreduce(v.clone(), i.clone(), numel)
+            assert out.dtype == dtype and out.shape == (numel,)
+            ref = np.zeros(numel, dtype=v.numpy().dtype)
+            for rv, ri in ins:  # rank order, then position order: the documented summation order
+                np.add.at(ref, ri.numpy(), rv.numpy())
+            assert np.array_equal(out.numpy(), ref), (str(dtype), case, numel)
+            dense64 = torch.zeros(numel, dtype=torch.float64)
+            for rv, ri in ins:
+                dense64.index_add_(0, ri.long(), rv.double())
+            assert torch.allclose(out.double(), dense64, atol=1e-5)
+            assert torch.equal(v, ins[rank][0]) and torch.equal(i, ins[rank][1])  # inputs untouched
+            hashes[(str(dtype), case, numel)] = _sha(out)
+    return hashes
+
+
+def test_sparse_allreduce(cluster):
+    res = cluster.run(_r_sparse, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after sparse_allreduce"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gtopk_allreduce
+
+
+def _simulate_gtopk(sets, k):
+    """The documented algorithm on one process, with the library's own merge kernel."""
+    P = len(sets)
+    empty_v, empty_i = sets[0][0][:0], torch.zeros(0, dtype=torch.int32)
+    S = []
+    for v, i in sets:
+        nv, ni = K.sparse_normalize(v, i)
+        S.append(K.merge_topk(nv, ni, empty_v, empty_i, k))
+    if P == 1 or k == 0:
+        return S
+    core = 1
+    while core * 2 <= P:
+        core *= 2
+    for r in range(core, P):
+        S[r - core] = K.merge_topk(*S[r - core], *S[r], k)
+    d = 1
+    while d < core:
+        S[:core] = [K.merge_topk(*S[r], *S[r ^ d], k) for r in range(core)]
+        d *= 2
+    for r in range(core, P):
+        S[r] = S[r - core]
+    return S
+
+
+def _gtopk_expected_bytes(rank, P, k, elem, count, exact):
+    if P == 1 or k == 0:
+        return 0
+    core = 1
+    while core * 2 <= P:
+        core *= 2
+    msg = k * (elem + 4)
+    rounds = core.bit_length() - 1
+    if rank >= core:
+        b = msg                      # fold send
+    elif rank + core < P:
+        b = rounds * msg + msg       # rounds + unfold send
+    else:
+        b = rounds * msg
+    if exact and count > 0:
+        b += 2 * (P - 1) * count * elem // P  # one allreduce of the selected values
+    return b
+
+
+def _union_dense(sets, numel):
+    dense = torch.zeros(numel, dtype=torch.float64)
+    present = torch.zeros(numel, dtype=torch.bool)
+    for v, i in sets:
+        dense.index_add_(0, i.long(), v.double())
+        present[i.long()] = True
+    return dense, present
+
+
+def _r_gtopk(rank, P, seed):
+    hashes = {}
+    numel = 5000
+
+    # (a) Disjoint indices across ranks, integer values (many magnitude ties): exactly the global top-k.
+    perm = torch.randperm(numel, generator=_gen(seed, 0, 70)).to(torch.int32)
+    sets = []
+    for r in range(P):
+        g = _gen(seed, r, 71)
+        mine = perm[r::P][: int(torch.randint(0, 300, (1,), generator=g))]
+        mine = mine[torch.randperm(mine.numel(), generator=g)]  # not sorted: gtopk normalizes
+        sets.append((torch.randint(-9, 10, (mine.numel(),), generator=g).float(), mine.clone()))
+    uv = torch.cat([s[0] for s in sets])
+    ui = torch.cat([s[1] for s in sets])
+    for k in (0, 1, 7, 64, 299, uv.numel(), uv.numel() + 50):
+        v, i = C.gtopk_allreduce(sets[rank][0].clone(), sets[rank][1].clone(), k)
+        order = sorted(range(uv.numel()), key=lambda j: (-abs(float(uv[j])), int(ui[j])))[:k]
+        order.sort(key=lambda j: int(ui[j]))
+        assert i.dtype == torch.int32 and v.dtype == torch.float32
+        assert i.tolist() == [int(ui[j]) for j in order], ("disjoint", k)
+        assert v.tolist() == [float(uv[j]) for j in order], ("disjoint", k)
+        hashes[("disjoint", k)] = (_sha(v), _sha(i))
+
+    # (b) Overlapping sets with duplicates within a rank, some ranks empty; float32 and float64.
+    for dtype in (torch.float32, torch.float64):
+        for int_valued in (True, False):
+            sets = []
+            for r in range(P):
+                g = _gen(seed, r, 80 + int_valued)
+                m = 0 if (r == 1 and P > 2) else int(torch.randint(1, 120, (1,), generator=g))
+                idx = torch.randint(0, 300, (m,), generator=g, dtype=torch.int32)
+                if int_valued:
+                    val = torch.randint(-6, 7, (m,), generator=g).to(dtype)
+                else:
+                    val = torch.randn(m, generator=g, dtype=torch.float64).to(dtype)
+                sets.append((val, idx))
+            dense, present = _union_dense(sets, 300)
+            n_union = int(present.sum())
+            sim_cache = {}
+            for k in (0, 1, 16, 100, n_union, 1000):
+                for exact in (False, True):
+                    C.reset_traffic()
+                    v, i = C.gtopk_allreduce(sets[rank][0].clone(), sets[rank][1].clone(), k, exact=exact)
+                    sent = C.bytes_sent()
+                    key = (str(dtype), int_valued, k, exact)
+                    assert i.dtype == torch.int32 and v.dtype == dtype, key
+                    assert v.numel() == i.numel() <= k, key
+                    assert v.numel() == min(k, n_union), key
+                    assert torch.all(i[1:] > i[:-1]), key
+                    assert torch.all(present[i.long()]), key
+                    if k not in sim_cache:
+                        sim_cache[k] = _simulate_gtopk(sets, k)
+                    sv, si = sim_cache[k][rank]
+                    assert torch.equal(i, si), key
+                    if exact:
+                        # Each value is the exact sum over ranks at its index.
+                        assert torch.allclose(v.double(), dense[i.long()], rtol=1e-12 if dtype == torch.float64
+                                              else 1e-6, atol=1e-6), key
+                        if int_valued:
+                            assert torch.equal(v.double(), dense[i.long()]), key
+                    else:
+                        assert torch.equal(v.view(torch.uint8), sv.view(torch.uint8)), key
+                    if k >= n_union and int_valued:
+                        # Nothing is ever dropped: the full union with exact sums.
+                        assert torch.equal(i.long(), present.nonzero().flatten()), key
+                        assert torch.equal(v.double(), dense[i.long()]), key
+                    elem = torch.tensor([], dtype=dtype).element_size()
+                    expected = _gtopk_expected_bytes(rank, P, k, elem, v.numel(), exact)
+                    assert sent == expected, (key, sent, expected)
+                    hashes[key] = (_sha(v), _sha(i))
+
+    # (c) A rank-local input longer than k, already canonical, P = any: result still canonical, <= k.
+    x = _data(seed, rank, 2000, tag=90)
+    li = x.abs().topk(50).indices.sort().values
+    lv, li = x[li].clone(), li.to(torch.int32)
+    C.reset_traffic()
+    v, i = C.gtopk_allreduce(lv, li, 20)
+    assert C.bytes_sent() == _gtopk_expected_bytes(rank, P, 20, 4, v.numel(), False)
+    assert v.numel() == 20 and torch.all(i[1:] > i[:-1])
+    hashes["topk-input"] = (_sha(v), _sha(i))
+    return hashes
+
+
+def test_gtopk_allreduce(cluster):
+    res = cluster.run(_r_gtopk, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after gtopk_allreduce"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# peer_average
+
+
+def test_shift_one_schedule():
+    for P in range(1, 13):
+        steps = P if P % 2 else max(P - 1, 1)
+        met = set()
+        for step in range(steps):
+            partners = [_C.shift_one_partner(r, P, step) for r in range(P)]
+            for r, p in enumerate(partners):
+                assert p == -1 or (0 <= p < P and p != r), (P, step, partners)
+                if p >= 0:
+                    assert partners[p] == r, ("not symmetric", P, step, partners)
+                    pair = (min(r, p), max(r, p))
+                    if r < p:
+                        assert pair not in met, ("pair met twice", P, pair)
+                        met.add(pair)
+            idle = partners.count(-1)
+            assert idle == (1 if P % 2 else 0), (P, step, partners)
+            # The schedule rotates with period `steps`.
+            assert partners == [_C.shift_one_partner(r, P, step + steps) for r in range(P)]
+        assert len(met) == P * (P - 1) // 2, (P, len(met))
+
+
+def _r_peer(rank, P, seed):
+    out = {}
+    for dtype, n in ((torch.float32, 1001), (torch.float64, 64), (torch.float32, 0)):
+        xs = [_data(seed, r, n, dtype, tag=200 + n) for r in range(P)]
+        # ring
+        t = xs[rank].clone()
+        assert C.peer_average(t, "ring") is t
+        if P == 1:
+            assert torch.equal(t, xs[0])
+        elif P == 2:
+            assert torch.equal(t, (xs[0] + xs[1]) * 0.5)
+        else:
+            ref = (xs[(rank - 1) % P].double() + xs[rank].double() + xs[(rank + 1) % P].double()) / 3
+            assert torch.allclose(t.double(), ref, rtol=1e-6, atol=1e-6)
+        out[("ring", str(dtype), n)] = _sha(t)
+        # all
+        t = xs[rank].clone()
+        C.peer_average(t, "all")
+        mean = torch.stack(xs).double().mean(0) if n else torch.zeros(0, dtype=torch.float64)
+        assert torch.allclose(t.double(), mean, rtol=1e-6, atol=1e-6)
+        out[("all", str(dtype), n)] = _sha(t)
+        # shift_one over a full period and one more step (the schedule wraps around)
+        steps = P if P % 2 else max(P - 1, 1)
+        for step in range(steps + 1):
+            t = xs[rank].clone()
+            C.peer_average(t, "shift_one", step=step)
+            p = _C.shift_one_partner(rank, P, step)
+            if p < 0 or P == 1:
+                assert torch.equal(t, xs[rank])  # sits this step out
+            else:
+                assert torch.equal(t, (xs[rank] + xs[p]) * 0.5)  # the pair mean, same bits for both
+                assert torch.allclose(t.double(), (xs[rank].double() + xs[p].double()) / 2, rtol=1e-6, atol=1e-7)
+            out[("shift_one", str(dtype), n, step)] = (p, _sha(t))
+    return out
+
+
+def test_peer_average(cluster):
+    res = cluster.run(_r_peer, SEED)
+    P = len(res)
+    for key in res[0]:
+        if key[0] == "all":
+            assert all(r[key] == res[0][key] for r in res), key
+        if key[0] == "shift_one":
+            for rank in range(P):
+                p, h = res[rank][key]
+                if p >= 0:
+                    assert res[p][key] == (rank, h), ("partners differ", key, rank, p)
+        if key[0] == "ring" and P == 2:
+            assert res[0][key] == res[1][key], key
+
+
+# ---------------------------------------------------------------------------------------------------------
+# broadcast
+
+
+def _r_broadcast(rank, P, seed):
+    for src in sorted({0, P - 1}):
+        for dtype, n in ((torch.float32, 10_001), (torch.int64, 33), (torch.float64, 0)):
+            t = _data(seed, rank, n, dtype, tag=300 + src)
+            assert C.broadcast(t, src=src) is t
+            assert torch.equal(t, _data(seed, src, n, dtype, tag=300 + src)), (src, dtype, n)
+    return True
+
+
+def test_broadcast(cluster):
+    assert cluster.run(_r_broadcast, SEED) == [True] * len(cluster._procs)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bad arguments: a clear error before any traffic, on every rank; then the group is still in step
+
+
+def _r_bad_args(rank, P, seed):
+    VE, TE = ValueError, TypeError
+    f32 = torch.ones(8)
+    i32 = torch.arange(8, dtype=torch.int32)
+    C.reset_traffic()
+    msgs = []
+    e = msgs.append
+    # gtopk
+    e(_expect(VE, r"gtopk_allreduce: k must be >= 0, got -1", C.gtopk_allreduce, f32, i32, -1))
+    e(_expect(TE, r"k must be an int, got float", C.gtopk_allreduce, f32, i32, 2.0))
+    e(_expect(TE, r"k must be an int, got bool", C.gtopk_allreduce, f32, i32, True))
+    e(_expect(VE, r"`values` has 8 elements but `indices` has 7; they must match", C.gtopk_allreduce, f32,
+              i32[:7].clone(), 2))
+    e(_expect(VE, r"gtopk_allreduce: `indices` must be int32, got Long", C.gtopk_allreduce, f32, i32.long(), 2))
+    e(_expect(VE, r"gtopk_allreduce: `values` must be contiguous", C.gtopk_allreduce, torch.ones(16)[::2], i32, 2))
+    e(_expect(VE, r"gtopk_allreduce: `values` must be float32, float64, float16 or bfloat16, got Int",
+              C.gtopk_allreduce, i32, i32, 2))
+    e(_expect(VE, r"gtopk_allreduce: index -5 at position 3 is out of range", C.gtopk_allreduce, f32,
+              torch.tensor([0, 1, 2, -5, 4, 5, 6, 7], dtype=torch.int32), 2))
+    e(_expect(TE, r"must be a torch.Tensor, got list", C.gtopk_allreduce, [1.0], i32, 2))
+    # sparse_allreduce
+    e(_expect(VE, r"sparse_allreduce: `values` has 8 elements but `indices` has 3", C.sparse_allreduce, f32,
+              i32[:3].clone(), 100))
+    e(_expect(VE, r"sparse_allreduce: `indices` must be int32, got Long", C.sparse_allreduce, f32, i32.long(), 100))
+    e(_expect(VE, r"sparse_allreduce: `indices` must be contiguous", C.sparse_allreduce, f32[:4],
+              torch.arange(8, dtype=torch.int32)[::2], 100))
+    e(_expect(VE, r"sparse_allreduce: index 7 at position 7 is out of range \[0, 7\)", C.sparse_allreduce, f32,
+              i32, 7))
+    e(_expect(VE, r"sparse_allreduce: index -1 at position 0 is out of range", C.sparse_allreduce, f32[:1],
+              torch.tensor([-1], dtype=torch.int32), 7))
+    e(_expect(VE, r"sparse_allreduce: numel must be >= 0, got -3", C.sparse_allreduce, f32, i32, -3))
+    e(_expect(TE, r"sparse_allreduce: numel must be an int, got float", C.sparse_allreduce, f32, i32, 8.0))
+    # allreduce / compressed / peer / broadcast
+    e(_expect(VE, r"allreduce: op='max' is not allowed; choose one of 'avg', 'sum'", C.allreduce, f32, op="max"))
+    e(_expect(VE, r"allreduce: `t` must be contiguous", C.allreduce, torch.ones(4, 4).t()))
+    e(_expect(VE, r"allreduce\(op='avg'\): `t` must be float32, float64, float16 or bfloat16, got Long",
+              C.allreduce, torch.ones(3, dtype=torch.long)))
+    e(_expect(TE, r"allreduce: `t` must be a torch.Tensor, got ndarray", C.allreduce, np.ones(3)))
+    e(_expect(VE, r"compression='int4' is not allowed; choose one of 'fp16', 'minmax_uint8'",
+              C.compressed_allreduce, f32, "int4"))
+    e(_expect(VE, r"compressed_allreduce: op='mean' is not allowed", C.compressed_allreduce, f32, "fp16",
+              op="mean"))
+    e(_expect(VE, r"compressed_allreduce: `t` must be contiguous", C.compressed_allreduce, torch.ones(16)[::2]))
+    e(_expect(VE, r"compressed_allreduce: `t` must be float32.*got Int", C.compressed_allreduce,
+              torch.ones(4, dtype=torch.int32)))
+    e(_expect(VE, r"peer_average: mode='star' is not allowed; choose one of 'ring', 'shift_one', 'all'",
+              C.peer_average, f32, "star"))
+    e(_expect(VE, r"peer_average: step must be an int >= 0, got -1", C.peer_average, f32, "shift_one", -1))
+    e(_expect(VE, r"peer_average: `t` must be contiguous", C.peer_average, torch.ones(16)[::2], "ring"))
+    e(_expect(VE, r"broadcast: `t` must be contiguous", C.broadcast, torch.ones(16)[::2], 0))
+    e(_expect(VE, rf"broadcast: src must be a rank of the group in \[0, {P}\), got {P}", C.broadcast, f32, P))
+    e(_expect(VE, r"broadcast: src must be a rank of the group in .*got -1", C.broadcast, f32, -1))
+    e(_expect(TE, r"group must be a torch.distributed ProcessGroup or None, got str", C.allreduce, f32,
+              group="world"))
+    assert C.bytes_sent() == 0 and C.messages_sent() == 0, "a rejected call put traffic on the wire"
+
+    # A group that excludes this rank (new_group must be entered by every rank).
+    if P >= 2:
+        g = dist.new_group(ranks=[0])
+        if rank == 0:
+            t = _data(seed, 0, 5)
+            C.allreduce(t, op="sum", group=g)  # a one-rank group of its own: fine
+            assert torch.equal(t, _data(seed, 0, 5))
+        else:
+            for fn, args in ((C.allreduce, (f32.clone(),)), (C.compressed_allreduce, (f32.clone(),)),
+                             (C.sparse_allreduce, (f32, i32, 8)), (C.gtopk_allreduce, (f32, i32, 2)),
+                             (C.peer_average, (f32.clone(),)), (C.broadcast, (f32.clone(),))):
+                e(_expect(VE, rf"bagua_lite.comm.{fn.__name__}: rank {rank} is not a member of the given group",
+                          fn, *args, group=g))
+        assert C.bytes_sent() == 0
+        # Arguments that disagree across ranks: every rank gets the same clear error, still in step.
+        numel = 10 if rank == 0 else 11
+        e(_expect(VE, r"sparse_allreduce: rank \d+ has numel=1[01] but rank \d+ has 1[01]; all ranks must pass the "
+                      r"same numel", C.sparse_allreduce, torch.ones(2), torch.tensor([0, 9], dtype=torch.int32),
+                  numel))
+        dt = torch.float64 if rank == P - 1 else torch.float32
+        e(_expect(VE, r"sparse_allreduce: rank .* sends values of dtype .* all ranks must use one dtype",
+                  C.sparse_allreduce, torch.ones(2, dtype=dt), torch.tensor([0, 9], dtype=torch.int32), 10))
+
+    # The group is still in step: a real collective right after gives the right answer.
+    t = _data(seed, rank, 1000)
+    C.allreduce(t, op="sum")
+    ref = torch.stack([_data(seed, r, 1000) for r in range(P)]).sum(0)
+    assert torch.allclose(t, ref, atol=1e-5)
+    v, i = C.gtopk_allreduce(torch.tensor([float(rank + 1)]), torch.tensor([rank], dtype=torch.int32), P)
+    assert i.tolist() == list(range(P)) and v.tolist() == [float(r + 1) for r in range(P)]
+    return msgs
+
+
+def test_bad_arguments_raise_before_traffic(cluster):
+    res = cluster.run(_r_bad_args, SEED)
+    assert all(len(m) >= 31 for m in res)
+
+
+def test_not_initialized_in_process():
+    assert not dist.is_initialized()
+    t = torch.ones(4)
+    i = torch.arange(4, dtype=torch.int32)
+    calls = [(C.allreduce, (t,)), (C.compressed_allreduce, (t,)), (C.sparse_allreduce, (t, i, 4)),
+             (C.gtopk_allreduce, (t, i, 2)), (C.peer_average, (t,)), (C.broadcast, (t,))]
+    for fn, args in calls:
+        _expect(RuntimeError, rf"bagua_lite.comm.{fn.__name__}: torch.distributed is not initialized; call "
+                              r"torch.distributed.init_process_group", fn, *args)
+    assert torch.equal(t, torch.ones(4))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a failed peer gives an error, not a hang
+
+
+def _r_die_or_collect(rank, P, victim, which):
+    if rank == victim:
+        os._exit(1)
+    time.sleep(0.5)  # let the victim go first
+    t0 = time.monotonic()
+    try:
+        if which == "allreduce":
+            C.allreduce(torch.ones(1 << 18))
+        elif which == "gtopk":
+            C.gtopk_allreduce(torch.ones(4), torch.arange(4, dtype=torch.int32), 4)
+        else:
+            C.peer_average(torch.ones(1000), "ring")
+    except Exception as ex:  # noqa: BLE001
+        return ("raised", time.monotonic() - t0, f"{type(ex).__name__}: {ex}"[:300])
+    return ("returned", time.monotonic() - t0, "")
+
+
+@pytest.mark.parametrize("which", ["allreduce", "gtopk", "ring"])
+def test_dead_peer_raises_instead_of_hanging(which):
+    P, victim, pg_timeout = 3, 1, 15
+    c = Cluster(P, timeout_s=pg_timeout)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as info:
+            c.run(_r_die_or_collect, victim, which, timeout=120, grace=pg_timeout + 15)
+        wall = time.monotonic() - t0
+        err = info.value
+        assert err.dead == [victim], str(err)
+        survivors = {r: v for r, (ok, v) in err.partial.items() if ok}
+        assert sorted(survivors) == [r for r in range(P) if r != victim], str(err)
+        for r, (what, elapsed, msg) in survivors.items():
+            assert what == "raised", (r, what, elapsed)
+            assert elapsed < pg_timeout + 5, (r, elapsed, msg)
+        assert wall < 60
+    finally:
+        c.close()

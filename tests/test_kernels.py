@@ -1,0 +1,347 @@
+"""Single-process tests of the compute kernels (bagua_lite.kernels), except topk (see test_topk.py).
+
+References are plain numpy/torch; bit-exact where the kernel documents a fixed order of operations.
+"""
+import numpy as np
+import pytest
+import torch
+
+import bagua_lite
+from bagua_lite import kernels as K
+
+FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def _rand(n, seed, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compress / decompress
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 100_003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fp16_roundtrip_and_wire(n, dtype):
+    x = _rand(n, 1 + n, dtype, scale=3.0)
+    w = K.compress(x, "fp16")
+    assert w.dtype == torch.uint8 and w.dim() == 1
+    assert w.numel() == 2 * n == K.wire_bytes("fp16", n)
+    # The wire is exactly IEEE half, little endian.
+    assert torch.equal(w.view(torch.float16), x.to(torch.float16))
+    y = K.decompress(w, "fp16", n, dtype)
+    assert y.dtype == dtype and y.shape == (n,)
+    assert torch.equal(y, x.to(torch.float16).to(dtype))
+    if n:
+        # Round to nearest half: relative error <= 2^-11 for normal values.
+        assert torch.all((y - x).abs() <= x.abs() * 2.0 ** -11 + 2.0 ** -25)
+
+
+def _minmax_ref(x):
+    """numpy model of the minmax_uint8 wire format: [min f32][max f32][q uint8 * n]."""
+    xf = x.to(torch.float32).numpy()
+    if xf.size == 0:
+        return np.float32(0), np.float32(0), np.zeros(0, np.uint8)
+    lo, hi = np.float32(xf.min()), np.float32(xf.max())
+    rng = np.float32(hi - lo)
+    scale = np.float32(255.0) / rng if rng > 0 else np.float32(0)
+    q = np.rint(np.clip((xf - lo) * scale, 0, 255)).astype(np.uint8)
+    return lo, hi, q
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 1000, 100_003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+def test_minmax_roundtrip_and_wire(n, dtype):
+    x = _rand(n, 7 + n, dtype, scale=5.0) + 1.5
+    w = K.compress(x, "minmax_uint8")
+    assert w.dtype == torch.uint8 and w.numel() == 8 + n == K.wire_bytes("minmax_uint8", n)
+    lo, hi, q = _minmax_ref(x)
+    header = w[:8].view(torch.float32)
+    assert header[0].item() == lo and header[1].item() == hi
+    if n:
+        # Quantization to the nearest level (a level off only where the float product lies on a .5 edge).
+        assert np.abs(w[8:].numpy().astype(int) - q.astype(int)).max() <= 1
+        assert (w[8:].numpy() == q).mean() > 0.999
+    y = K.decompress(w, "minmax_uint8", n, dtype)
+    assert y.dtype == dtype and y.shape == (n,)
+    if n:
+        step = (float(hi) - float(lo)) / 255
+        err = (y.double() - x.double()).abs().max().item()
+        tol = step / 2 + 1e-6 * max(abs(float(lo)), abs(float(hi)))
+        if dtype == torch.float16:
+            tol += 2.0 ** -10 * max(abs(float(lo)), abs(float(hi)))  # rounding of the decoded value to half
+        assert err <= tol, (err, tol)
+        # Extremes are exact: min decodes to min, max to max (up to float rounding of the step sum).
+        assert y.double().min().item() == pytest.approx(float(lo), abs=1e-6 * (1 + abs(float(lo))))
+        assert y.double().max().item() == pytest.approx(float(hi), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("value", [0.0, -3.25, 1e6])
+@pytest.mark.parametrize("compression", ["fp16", "minmax_uint8"])
+def test_constant_tensor_is_exact(value, compression):
+    x = torch.full((33,), value)
+    y = K.decompress(K.compress(x, compression), compression, 33, torch.float32)
+    expect = x.to(torch.float16).float() if compression == "fp16" else x
+    assert torch.equal(y, expect)
+    if compression == "minmax_uint8":
+        assert torch.equal(K.compress(x, compression)[8:], torch.zeros(33, dtype=torch.uint8))
+
+
+def test_minmax_decompress_is_deterministic_function_of_bytes():
+    x = _rand(5000, 3)
+    w = K.compress(x, "minmax_uint8")
+    a = K.decompress(w, "minmax_uint8", 5000, torch.float32)
+    b = K.decompress(w.clone(), "minmax_uint8", 5000, torch.float32)
+    assert torch.equal(a, b)
+    # Decoding formula lo + q * step in float32.
+    lo, hi = w[:8].view(torch.float32).tolist()
+    step = np.float32((np.float32(hi) - np.float32(lo)) / np.float32(255))
+    ref = np.float32(lo) + w[8:].numpy().astype(np.float32) * step
+    assert np.array_equal(a.numpy(), ref.astype(np.float32))
+
+
+def test_compress_bad_arguments():
+    with pytest.raises(ValueError, match=r"unknown compression 'int4'.*'fp16', 'minmax_uint8'"):
+        K.compress(torch.ones(4), "int4")
+    with pytest.raises(ValueError, match=r"unknown compression 'bogus'"):
+        K.decompress(torch.zeros(8, dtype=torch.uint8), "bogus", 4, torch.float32)
+    with pytest.raises(ValueError, match=r"unknown compression 'x'"):
+        K.wire_bytes("x", 3)
+    with pytest.raises(ValueError, match=r"`x` must be float32, float64, float16 or bfloat16, got Int"):
+        K.compress(torch.ones(4, dtype=torch.int32), "fp16")
+    with pytest.raises(ValueError, match=r"`x` must be contiguous"):
+        K.compress(torch.ones(8)[::2], "minmax_uint8")
+    with pytest.raises(ValueError, match=r"wire buffer has 7 bytes, expected 8"):
+        K.decompress(torch.zeros(7, dtype=torch.uint8), "fp16", 4, torch.float32)
+    with pytest.raises(ValueError, match=r"wire buffer has 11 bytes, expected 12"):
+        K.decompress(torch.zeros(11, dtype=torch.uint8), "minmax_uint8", 4, torch.float32)
+    with pytest.raises(ValueError, match=r"wire buffer must be uint8, got Float"):
+        K.decompress(torch.zeros(2), "fp16", 1, torch.float32)
+    with pytest.raises(ValueError, match=r"numel must be >= 0, got -1"):
+        K.decompress(torch.zeros(0, dtype=torch.uint8), "fp16", -1, torch.float32)
+    with pytest.raises(ValueError, match=r"dtype must be floating, got Int"):
+        K.decompress(torch.zeros(8, dtype=torch.uint8), "fp16", 4, torch.int32)
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        x = torch.ones(10)
+        x[3] = bad
+        with pytest.raises(ValueError, match=r"minmax_uint8 compress: input must be finite"):
+            K.compress(x, "minmax_uint8")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse sets
+
+
+def _np_normalize(v, i):
+    """Sort by index (stable) and sum duplicates in input order, in the values' dtype."""
+    v, i = np.asarray(v), np.asarray(i)
+    order = np.argsort(i, kind="stable")
+    out_v, out_i = [], []
+    for j in order:
+        if out_i and out_i[-1] == i[j]:
+            out_v[-1] = (out_v[-1] + v[j]).astype(v.dtype)
+        else:
+            out_v.append(v[j].copy())
+            out_i.append(i[j])
+    return np.array(out_v, dtype=v.dtype), np.array(out_i, dtype=np.int32)
+
+
+def _np_merge_topk(av, ai, bv, bi, k):
+    """Union of two canonical sets (sum on equal indices), k largest |v|, ties by lower index, by index."""
+    d = {}
+    for v, i in zip(av, ai):
+        d[int(i)] = v
+    for v, i in zip(bv, bi):
+        d[int(i)] = (d[int(i)] + v).astype(av.dtype) if int(i) in d else v
+    items = sorted(d.items(), key=lambda kv: (-abs(float(kv[1])), kv[0]))[:k]
+    items.sort()
+    return (np.array([v for _, v in items], dtype=av.dtype).reshape(-1),
+            np.array([i for i, _ in items], dtype=np.int32).reshape(-1))
+
+
+def _int_valued(n, seed, lo=-6, hi=7, dtype=torch.float32):
+    """Small integer-valued floats: many magnitude ties and exact sums."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi, (n,), generator=g).to(dtype)
+
+
+def _canonical(n, universe, seed, dtype=torch.float32, int_valued=False):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randperm(universe, generator=g)[:n].sort().values.to(torch.int32)
+    val = _int_valued(n, seed + 1, dtype=dtype) if int_valued else _rand(n, seed + 1, dtype)
+    return val, idx
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_sparse_normalize(dtype):
+    g = torch.Generator().manual_seed(5)
+    for n in (0, 1, 2, 50, 1000):
+        i = torch.randint(0, max(1, n // 3), (n,), generator=g, dtype=torch.int32)
+        v = _rand(n, n, dtype)
+        nv, ni = K.sparse_normalize(v, i)
+        assert ni.dtype == torch.int32 and nv.dtype == dtype
+        if dtype in (torch.float32, torch.float64):
+            rv, ri = _np_normalize(v.numpy(), i.numpy())
+            assert np.array_equal(ni.numpy(), ri)
+            assert np.array_equal(nv.numpy(), rv)  # bit-exact: same summation order
+        else:
+            ref = torch.zeros(max(1, n), dtype=torch.float64).index_add_(0, i.long(), v.double())
+            assert torch.equal(ni, torch.unique(i))
+            assert torch.allclose(nv.double(), ref[ni.long()], rtol=2e-2, atol=2e-2)
+        assert torch.all(ni[1:] > ni[:-1])
+        # Inputs untouched; an already canonical set comes back as it is.
+        nv2, ni2 = K.sparse_normalize(nv, ni)
+        assert torch.equal(nv2, nv) and torch.equal(ni2, ni)
+
+
+def test_sparse_normalize_sums_duplicates_in_input_order():
+    # 1e8 + 1 - 1e8 in float32 depends on the order; stable order = input order.
+    v = torch.tensor([1e8, 1.0, -1e8, 5.0], dtype=torch.float32)
+    i = torch.tensor([3, 3, 3, 0], dtype=torch.int32)
+    nv, ni = K.sparse_normalize(v, i)
+    assert ni.tolist() == [0, 3]
+    assert nv.tolist() == [5.0, float(np.float32(np.float32(1e8) + np.float32(1.0)) - np.float32(1e8))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("int_valued", [False, True])
+def test_merge_topk_reference_and_symmetry(dtype, int_valued):
+    for trial in range(40):
+        na, nb = [(0, 0), (0, 5), (7, 0), (20, 20), (100, 37), (300, 300)][trial % 6]
+        universe = [40, 500, 10_000][trial % 3]
+        na, nb = min(na, universe), min(nb, universe)
+        av, ai = _canonical(na, universe, 100 + trial, dtype, int_valued)
+        bv, bi = _canonical(nb, universe, 200 + trial, dtype, int_valued)
+        for k in (0, 1, 5, na + nb, na + nb + 3, max(1, (na + nb) // 2)):
+            ov, oi = K.merge_topk(av, ai, bv, bi, k)
+            rv, ri = _np_merge_topk(av.numpy(), ai.numpy(), bv.numpy(), bi.numpy(), k)
+            assert oi.dtype == torch.int32 and ov.dtype == dtype
+            assert np.array_equal(oi.numpy(), ri), (trial, k)
+            assert np.array_equal(ov.numpy(), rv), (trial, k)
+            sv, si = K.merge_topk(bv, bi, av, ai, k)
+            assert torch.equal(si, oi)
+            assert torch.equal(sv.view(torch.uint8),
+                               ov.view(torch.uint8))  # bitwise, signed zeros included
+
+
+def test_merge_topk_ties_go_to_lower_index():
+    av = torch.tensor([1.0, -2.0, 2.0], dtype=torch.float32)
+    ai = torch.tensor([1, 5, 9], dtype=torch.int32)
+    bv = torch.tensor([-2.0, 2.0], dtype=torch.float32)
+    bi = torch.tensor([3, 7], dtype=torch.int32)
+    ov, oi = K.merge_topk(av, ai, bv, bi, 2)
+    assert oi.tolist() == [3, 5] and ov.tolist() == [-2.0, -2.0]
+    ov, oi = K.merge_topk(av, ai, bv, bi, 3)
+    assert oi.tolist() == [3, 5, 7]
+    # Sums on equal indices compete with their summed magnitude.
+    ov, oi = K.merge_topk(torch.tensor([1.5]), torch.tensor([4], dtype=torch.int32),
+                          torch.tensor([1.5, 2.5]), torch.tensor([4, 6], dtype=torch.int32), 1)
+    assert oi.tolist() == [4] and ov.tolist() == [3.0]
+
+
+def test_merge_topk_half_types():
+    for dtype in (torch.float16, torch.bfloat16):
+        av, ai = _canonical(60, 200, 1, dtype, int_valued=True)
+        bv, bi = _canonical(60, 200, 2, dtype, int_valued=True)
+        ov, oi = K.merge_topk(av, ai, bv, bi, 25)
+        rv, ri = _np_merge_topk(av.float().numpy(), ai.numpy(), bv.float().numpy(), bi.numpy(), 25)
+        assert np.array_equal(oi.numpy(), ri) and np.array_equal(ov.float().numpy(), rv)
+        sv, si = K.merge_topk(bv, bi, av, ai, 25)
+        assert torch.equal(si, oi) and torch.equal(sv, ov)
+
+
+def test_merge_topk_bad_arguments():
+    v, i = torch.ones(3), torch.tensor([0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"`ai` must be strictly ascending.*position 1 has 1 after 1"):
+        K.merge_topk(v, torch.tensor([1, 1, 2], dtype=torch.int32), v, i, 2)
+    with pytest.raises(ValueError, match=r"`bi` must be strictly ascending.*position 2 has 0 after 2"):
+        K.merge_topk(v, i, v, torch.tensor([1, 2, 0], dtype=torch.int32), 2)
+    with pytest.raises(ValueError, match=r"k must be >= 0, got -1"):
+        K.merge_topk(v, i, v, i, -1)
+    with pytest.raises(ValueError, match=r"value dtypes differ \(Float vs Double\)"):
+        K.merge_topk(v, i, v.double(), i, 2)
+    with pytest.raises(ValueError, match=r"`indices` must be int32, got Long"):
+        K.merge_topk(v, i.long(), v, i, 2)
+    with pytest.raises(ValueError, match=r"`values` has 3 elements but `indices` has 2"):
+        K.merge_topk(v, i, v, i[:2], 2)
+    with pytest.raises(ValueError, match=r"index -1 at position 0 is out of range"):
+        K.merge_topk(v, torch.tensor([-1, 0, 1], dtype=torch.int32), v, i, 2)
+
+
+@pytest.mark.parametrize("dense_dtype", [torch.float32, torch.float64])
+def test_scatter_add_in_order_with_duplicates(dense_dtype):
+    g = torch.Generator().manual_seed(9)
+    dense = _rand(100, 4, dense_dtype)
+    idx = torch.randint(0, 100, (1000,), generator=g, dtype=torch.int32)
+    val = _rand(1000, 5, dense_dtype)
+    ref = dense.numpy().copy()
+    np.add.at(ref, idx.numpy(), val.numpy())  # unbuffered, in order of j
+    out = K.scatter_add_(dense, val, idx)
+    assert out is dense
+    assert np.array_equal(dense.numpy(), ref)
+    # Empty update leaves dense alone; a float32 update into float64 converts each value.
+    before = dense.clone()
+    K.scatter_add_(dense, torch.zeros(0, dtype=dense_dtype), torch.zeros(0, dtype=torch.int32))
+    assert torch.equal(dense, before)
+
+
+def test_scatter_add_bad_arguments():
+    d = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"index 10 at position 1 is out of range \[0, 10\)"):
+        K.scatter_add_(d, torch.ones(2), torch.tensor([0, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"index -3 at position 0 is out of range \[0, 10\)"):
+        K.scatter_add_(d, torch.ones(1), torch.tensor([-3], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`indices` must be int32, got Long"):
+        K.scatter_add_(d, torch.ones(1), torch.tensor([0]))
+    with pytest.raises(ValueError, match=r"`dense` must be contiguous"):
+        K.scatter_add_(torch.zeros(20)[::2], torch.ones(1), torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`values` has 2 elements but `indices` has 1"):
+        K.scatter_add_(d, torch.ones(2), torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`dense` must be float32, float64, float16 or bfloat16, got Long"):
+        K.scatter_add_(torch.zeros(3, dtype=torch.long), torch.ones(1), torch.tensor([0], dtype=torch.int32))
+    assert torch.equal(d, torch.zeros(10))  # nothing written by a rejected call
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_ef_remove(dtype):
+    r = _rand(50, 11, dtype) + 10
+    idx = torch.tensor([0, 7, 7, 49], dtype=torch.int32)
+    ref = r.clone()
+    ref[idx.long()] = 0
+    out = K.ef_remove_(r, idx)
+    assert out is r and torch.equal(r, ref)
+    assert int((r == 0).sum()) == 3
+    K.ef_remove_(r, torch.zeros(0, dtype=torch.int32))
+    assert torch.equal(r, ref)
+
+
+def test_ef_remove_bad_arguments():
+    r = torch.ones(5)
+    with pytest.raises(ValueError, match=r"ef_remove_: index 5 out of range \[0, 5\)"):
+        K.ef_remove_(r, torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"ef_remove_: index -1 out of range \[0, 5\)"):
+        K.ef_remove_(r, torch.tensor([-1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`indices` must be int32, got Long"):
+        K.ef_remove_(r, torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"`residual` must be contiguous"):
+        K.ef_remove_(torch.ones(10)[::2], torch.tensor([1], dtype=torch.int32))
+
+
+def test_sparse_bad_arguments():
+    with pytest.raises(ValueError, match=r"sparse_normalize: `indices` must be int32, got Long"):
+        K.sparse_normalize(torch.ones(2), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"sparse_normalize: `values` must be float32.*got Long"):
+        K.sparse_normalize(torch.ones(2, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`values` has 2 elements but `indices` has 3"):
+        K.sparse_normalize(torch.ones(2), torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`values` must be contiguous"):
+        K.sparse_normalize(torch.ones(4)[::2], torch.tensor([0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"must be 1-D, got shapes \[2, 2\]"):
+        K.sparse_normalize(torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"index -2 at position 1 is out of range"):
+        K.sparse_normalize(torch.ones(2), torch.tensor([0, -2], dtype=torch.int32))
+
+
+def test_version():
+    assert bagua_lite.__version__
