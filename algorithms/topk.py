@@ -13,8 +13,7 @@ from ._sparse import ErrorFeedbackSparsifier
 class TopK(ErrorFeedbackSparsifier):
     def aggregate(self, values, indices, acc, flat):
         kernels.ef_remove_(acc, indices)                      # residual = acc minus what we send
-        flat.zero_()
-        # dense sum of every rank's selection, averaged (sum order is rank order: identical replicas)
-        flat.copy_(comm.sparse_allreduce(values, indices, flat.numel(), group=self.process_group))
+        # dense sum of every rank's selection, written into the bucket (rank order: identical replicas)
+        comm.sparse_allreduce(values, indices, flat.numel(), group=self.process_group, out=flat)
         flat.div_(self.world_size)
         return indices

@@ -68,17 +68,19 @@ def compressed_allreduce(t: torch.Tensor, compression: str = "fp16", group=None,
     return t
 
 
-def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, group=None) -> torch.Tensor:
+def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, group=None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """TopKAllReduce: sum every rank's sparse (values, int32 indices) into a dense tensor of ``numel``.
 
     One allgather of packed ``[k values][k indices]`` buffers (padded to the largest k); ranks may hold
-    different k. Summation runs in rank order, so all ranks get the same bits.
+    different k. Summation runs in rank order, so all ranks get the same bits. With ``out`` (a
+    contiguous float tensor of ``numel`` elements) the result is written there instead of a new tensor.
     """
     pg = resolve_group(group, "sparse_allreduce")
     check_device(values, pg, "sparse_allreduce", "values")
     if not isinstance(numel, int) or isinstance(numel, bool):
         raise TypeError(f"bagua_lite.comm.sparse_allreduce: numel must be an int, got {type(numel).__name__}")
-    return _C.sparse_allreduce(pg, values, indices, numel)
+    return _C.sparse_allreduce(pg, values, indices, numel, out)
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,

@@ -36,14 +36,21 @@ def make_mlp(seed=0):
                                torch.nn.Linear(64, 10))
 
 
-def train_digits(cfg, epochs=15, batch_size=16, lr=0.05, seed=0):
+def optimizer_momentum(algorithm, momentum=0.9):
+    """The optimizer's SGD momentum for ``algorithm``: ``momentum``, unless the algorithm applies momentum
+    itself (DGC's momentum correction, ``momentum_correction > 0``), in which case 0 (plain SGD)."""
+    return 0.0 if getattr(algorithm, "momentum_correction", 0.0) else momentum
+
+
+def train_digits(cfg, epochs=15, batch_size=16, lr=0.05, momentum=0.9, seed=0, opt_momentum=None):
     """Train on this rank's shard with ``cfg`` (a bagua_lite Config); returns a dict of results."""
     import bagua_lite
 
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y, x_test, y_test = digits_shards(rank, world, seed)
     net = make_mlp(seed)
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    m = optimizer_momentum(cfg.algorithm, momentum) if opt_momentum is None else opt_momentum
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=m)
     model = bagua_lite.DistributedModel(net, opt, algorithm=cfg.algorithm, bucket_size_mb=cfg.bucket_size_mb)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = torch.tensor([len(x) // batch_size])
@@ -59,7 +66,7 @@ def train_digits(cfg, epochs=15, batch_size=16, lr=0.05, seed=0):
             loss.backward()
             opt.step()
             opt.zero_grad()
-            losses.append(float(loss))
+            losses.append(loss.item())
     elapsed = time.perf_counter() - t0
     with torch.no_grad():
         acc = (net(x_test).argmax(1) == y_test).float().mean().item()

@@ -5,7 +5,7 @@ Spawns P gloo processes on loopback for each world size. Each rank draws its own
 per call (all ranks released by a barrier; a call's time is the slowest rank's):
 
 * ``gtopk_allreduce(values, indices, k)``   recursive doubling, 2k*(4+4)*log2(P) bytes per core rank
-* ``sparse_allreduce(values, indices, n)``  one allgather of (P-1) * k*(4+4) bytes per rank
+* ``sparse_allreduce(values, indices, n, out=buf)``  one allgather of (P-1) * k*(4+4) bytes per rank
 * ``allreduce(dense)``                      ring allreduce of the whole n-element gradient
 
 and reports the median, plus the bytes each rank sent in one call (``bagua_lite.comm.bytes_sent()``)
@@ -80,7 +80,7 @@ def _worker(rank, P, init_file, sizes, density, repeats, dense_repeats, warmup, 
             dense = torch.empty_like(x)
             rows = {
                 "gtopk_allreduce": timed(lambda: comm.gtopk_allreduce(vals, idx, k), repeats),
-                "sparse_allreduce": timed(lambda: comm.sparse_allreduce(vals, idx, n), repeats),
+                "sparse_allreduce": timed(lambda: comm.sparse_allreduce(vals, idx, n, out=dense), repeats),
                 "allreduce (dense)": timed(lambda: comm.allreduce(dense.copy_(x), op="sum"), dense_repeats),
             }
             out.put((rank, n, k, rows))

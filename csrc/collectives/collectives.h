@@ -23,9 +23,9 @@ void broadcast(const ProcessGroupPtr& pg, at::Tensor& t, int64_t src);
 void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& compression, bool average);
 
 // TopKAllReduce: allgather of packed (k values, k int32 indices) buffers, scatter-summed into a dense
-// tensor of `numel` elements. Ranks may hold different k.
+// tensor of `numel` elements (written into `out` when given). Ranks may hold different k.
 at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
-                            int64_t numel);
+                            int64_t numel, std::optional<at::Tensor> out = std::nullopt);
 
 // Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.

@@ -12,7 +12,14 @@ namespace bagua_lite {
 namespace collectives {
 
 at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
-                            int64_t numel) {
+                            int64_t numel, std::optional<at::Tensor> out) {
+  if (out.has_value()) {
+    check_contiguous(*out, "sparse_allreduce", "out");
+    check_floating(*out, "sparse_allreduce", "out");
+    BL_CHECK(out->numel() == numel, "sparse_allreduce: `out` has ", out->numel(), " elements but numel=", numel);
+    BL_CHECK(out->device() == values.device(), "sparse_allreduce: `out` is on ", out->device(),
+             " but `values` is on ", values.device());
+  }
   BL_CHECK(numel >= 0, "sparse_allreduce: numel must be >= 0, got ", numel);
   kernels::check_sparse_args(values, indices, numel, "sparse_allreduce");
   const int64_t P = pg->getSize(), me = pg->getRank();
@@ -36,7 +43,8 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
     kmax = std::max(kmax, mp[3 * r]);
   }
 
-  auto dense = at::zeros({numel}, values.options());
+  // Writing into the caller's buffer avoids a fresh numel-sized allocation (and its page faults) per call.
+  at::Tensor dense = out.has_value() ? out->zero_() : at::zeros({numel}, values.options());
   if (kmax == 0) return dense;
 
   // Pack: values then indices, padded to kmax.

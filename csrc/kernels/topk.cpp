@@ -38,9 +38,6 @@
 #include <functional>
 #include <memory>
 #include <vector>
-#include <chrono>
-#include <cstdio>
-static double nowms(){return std::chrono::duration<double,std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();}
 
 namespace bagua_lite {
 namespace kernels {
@@ -590,8 +587,14 @@ int64_t filter_range(const RawBits<Key>* raw, int64_t begin, int64_t end, Key t,
 // expected sample count above the true k-th key (k*m/n) by 4 standard deviations plus 8.
 constexpr int64_t kSampleBlock = 256;
 
+template <class Key>
+struct Threshold {
+  Key t;
+  double expected_count;  // estimate of count(key >= t) over the whole tensor: r * n / m
+};
+
 template <class Key, class Raw>
-Key sample_threshold(const Raw* raw, int64_t n, int64_t k, Buf<Key>& buf) {
+Threshold<Key> sample_threshold(const Raw* raw, int64_t n, int64_t k, Buf<Key>& buf) {
   const int64_t m_target = std::clamp<int64_t>(64 * n / k, 8192, 32768);
   const int64_t nb = std::clamp<int64_t>(m_target / kSampleBlock, 1, n / (8 * kSampleBlock));
   const int64_t m = nb * kSampleBlock;
@@ -604,7 +607,7 @@ Key sample_threshold(const Raw* raw, int64_t n, int64_t k, Buf<Key>& buf) {
   int64_t r = int64_t(std::ceil(expected + 4.0 * std::sqrt(expected) + 8.0));
   r = std::clamp<int64_t>(r, 1, m);
   std::nth_element(s, s + (r - 1), s + m, std::greater<Key>());
-  return s[r - 1];
+  return {s[r - 1], double(r) * double(n) / double(m)};
 }
 
 // Any key > inf in the tensor? (OR-reduction of inf - key: top bit set exactly for keys > inf.)
@@ -672,22 +675,24 @@ void topk_cpu(const at::Tensor& x, int64_t k, scalar_t* out_v, int32_t* out_i) {
 
   // Fast path: sampled threshold + one filter pass + select among the candidates.
   if (n >= kFastPathMinN && k <= n / 8) {
-    double T0 = nowms();
-    const Key t = std::min<Key>(sample_threshold<Key>(raw, n, k, s.sample<Key>()), Key(kInf + 1));
+    const Threshold<Key> th = sample_threshold<Key>(raw, n, k, s.sample<Key>());
+    const Key t = std::min<Key>(th.t, Key(kInf + 1));  // every NaN stays a candidate
     int64_t max_part = 0;
     for (int64_t p = 0; p < P; ++p) max_part = std::max(max_part, parts.size(p));
-    const int64_t cap = std::min<int64_t>(8 * k + 4096, max_part) + B;  // per part
+    // Candidate slots per part: the part's share of a generous total (4x the expected count + 8k),
+    // plus the whole expected count so one part may hold far more than its share (skewed data).
+    const double expected = th.expected_count;
+    const int64_t cap =
+        std::min<int64_t>(int64_t((4.0 * expected + 8.0 * double(k)) / double(P) + expected) + 4096, max_part) + B;
     Key* keys = s.keys<Key>().get(size_t(P * cap));
     int32_t* idx = s.idx.get(size_t(P * cap));
     std::atomic<bool> give_up{false};
-    double T1 = nowms();
 #pragma omp parallel for num_threads(P) schedule(static, 1) if (P > 1)
     for (int64_t p = 0; p < P; ++p) {
       offset[p] = p * cap;
       count[p] = filter_range<Key>(raw, parts.begin(p), parts.begin(p + 1), t, keys + offset[p], idx + offset[p], cap,
                                    &give_up);
     }
-    double T2 = nowms();
     int64_t total = 0;
     bool ok = !give_up.load();
     for (int64_t p = 0; p < P && ok; ++p) {
@@ -698,10 +703,7 @@ void topk_cpu(const at::Tensor& x, int64_t k, scalar_t* out_v, int32_t* out_i) {
       CandidateSource<Key> cand{keys, idx, offset, count};
       detail::g_last_path = detail::kPathFast;
       radix_select<Key>(cand, parts, k, kInf, n, 0, hist, s.sample<Key>(), sel);
-      double T3 = nowms();
       collect_candidates<Key>(cand, parts, sel, reinterpret_cast<RawBits<Key>*>(out_v), out_i);
-      double T4 = nowms();
-      if (getenv("TOPK_PROF")) fprintf(stderr, "sample %.3f filter %.3f select %.3f collect %.3f total %.3f cands %ld\n", T1-T0, T2-T1, T3-T2, T4-T3, T4-T0, (long)total);
       return;
     }
   }
