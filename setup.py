@@ -61,5 +61,5 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     install_requires=["numpy", "pyyaml"],
-    extras_require={"test": ["pytest", "hypothesis", "scikit-learn"]},
+    extras_require={"test": ["pytest", "hypothesis", "scikit-learn"], "benchmark": ["matplotlib"]},
 )

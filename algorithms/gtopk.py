@@ -30,6 +30,5 @@ class GTopK(ErrorFeedbackSparsifier):
         sent = g_indices if self.exact else g_indices[torch.isin(g_indices, indices)]
         kernels.ef_remove_(acc, sent)
         flat.zero_()
-        kernels.scatter_add_(flat, g_values, g_indices)
-        flat.div_(self.world_size)
+        kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
         return sent

@@ -13,7 +13,8 @@ from ._sparse import ErrorFeedbackSparsifier
 class TopK(ErrorFeedbackSparsifier):
     def aggregate(self, values, indices, acc, flat):
         kernels.ef_remove_(acc, indices)                      # residual = acc minus what we send
-        # dense sum of every rank's selection, written into the bucket (rank order: identical replicas)
-        comm.sparse_allreduce(values, indices, flat.numel(), group=self.process_group, out=flat)
-        flat.div_(self.world_size)
+        # dense sum of every rank's selection / P (pre-divided: k divisions instead of n), written into the
+        # bucket; summed in rank order on every rank, so replicas stay identical
+        comm.sparse_allreduce(values.div_(self.world_size), indices, flat.numel(), group=self.process_group,
+                              out=flat)
         return indices

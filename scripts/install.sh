@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install --quiet "${BAGUA_LITE_TORCH:-torch==2.13.0}"
 fi
-"$PY" -m pip install --quiet "setuptools>=70" wheel ninja numpy pyyaml pytest hypothesis scikit-learn
+"$PY" -m pip install --quiet "setuptools>=70" wheel ninja numpy pyyaml pytest hypothesis scikit-learn matplotlib
 command -v cmake >/dev/null 2>&1 || "$PY" -m pip install --quiet cmake
 # --no-build-isolation: compile against the torch installed above (an isolated build would fetch
 # another torch and produce an extension with the wrong ABI).

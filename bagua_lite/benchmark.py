@@ -1,0 +1,535 @@
+"""Compare algorithms side by side, against PyTorch DDP measured in the same run.
+
+    python -m bagua_lite.benchmark --config configs/benchmark.yaml [--project 16,32,128,1024] [--out bench_out]
+
+On one machine it launches the ranks itself: for every network condition in the YAML (``loopback``, or
+an emulated link such as ``1gbit``: each rank in its own network namespace, veth pairs on a bridge,
+``tc tbf`` rate limits; needs root) and every world size, P worker processes train every model with
+every algorithm. Under ``torchrun`` (RANK/WORLD_SIZE set) it measures on the real cluster instead.
+
+Per cell: samples/s, speed-up over DDP, time split (compute floor, compression, communication, hidden
+share), bytes sent per step per rank, final training loss, and the alpha-beta cost model's prediction.
+Outputs: a table, ``results.json``, ``results.csv`` and ``throughput.png`` in ``--out``.
+"""
+import argparse
+import csv
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import yaml
+
+BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd")
+MODELS = ("mlp25m", "cnn", "mlp_small")
+CONFIG_KEYS = ("world_sizes", "networks", "models", "algorithms", "steps", "warmup_steps", "batch_size",
+               "bucket_size_mb", "project", "timeout_s")
+
+
+# ---- configuration -----------------------------------------------------------------------------------------
+def load_benchmark_config(path):
+    import difflib
+
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"benchmark config {path}: expected a mapping")
+    for key in cfg:
+        if key not in CONFIG_KEYS:
+            near = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
+            raise ValueError(f"benchmark config: unknown key {key!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                             + f" (allowed: {', '.join(CONFIG_KEYS)})")
+    out = {"world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
+           "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900}
+    out.update(cfg)
+    for p in out["world_sizes"]:
+        if not isinstance(p, int) or p < 1:
+            raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
+    for m in out["models"]:
+        if m not in MODELS:
+            raise ValueError(f"benchmark config: unknown model {m!r}; known: {', '.join(MODELS)}")
+    from . import netem
+
+    for n in out["networks"]:
+        if n not in netem.NETWORKS:
+            raise ValueError(f"benchmark config: unknown network {n!r}; known: {', '.join(netem.NETWORKS)}")
+    algs = []
+    from . import algorithms  # noqa: F401  (registers built-ins)
+    from .algorithm import build
+
+    for entry in out.get("algorithms") or []:
+        entry = {"name": entry} if isinstance(entry, str) else dict(entry)
+        label = entry.pop("label", None)
+        name = entry.pop("name")
+        if name == "ddp_powersgd":
+            entry.setdefault("rank", 4)
+        elif name not in BASELINES:
+            build(name, **entry)  # validate now, before any process starts
+        algs.append({"name": name, "options": entry, "label": label or _label(name, entry)})
+    if not algs:
+        raise ValueError("benchmark config: 'algorithms' must list at least one algorithm")
+    out["algorithms"] = algs
+    return out
+
+
+def _label(name, options):
+    if not options:
+        return name
+    short = ",".join(f"{k}={v}" for k, v in sorted(options.items()) if k not in ("warmup_densities",))
+    return f"{name}({short})"
+
+
+# ---- models and data -----------------------------------------------------------------------------------------
+def make_model(name, seed=0):
+    import torch
+
+    torch.manual_seed(seed)
+    nn = torch.nn
+    if name == "mlp25m":  # communication-heavy: 25.2M parameters, little compute per byte
+        return nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(),
+                             nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 10)), (2048,)
+    if name == "mlp_small":  # for quick runs and tests
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)), (256,)
+    if name == "cnn":  # compute-heavy: ~0.3M parameters, many FLOPs per byte
+        return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(128, 10)), (3, 32, 32)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
+
+def make_batches(shape, batch_size, n_batches, rank, seed=0):
+    """Synthetic but learnable data: labels from a fixed random teacher, inputs per rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    dim = 1
+    for s in shape:
+        dim *= s
+    teacher = torch.randn(dim, 10, generator=g)
+    gr = torch.Generator().manual_seed(seed + 1000 + rank)
+    out = []
+    for _ in range(n_batches):
+        x = torch.randn(batch_size, *shape, generator=gr)
+        out.append((x, (x.reshape(batch_size, -1) @ teacher).argmax(1)))
+    return out
+
+
+# ---- one rank -----------------------------------------------------------------------------------------------
+def _tx_bytes():
+    """Bytes this network namespace sent on its non-loopback interfaces (None on plain loopback)."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def _run_cell(cell, cfg, model_name, batches, rank, world):
+    """Train ``model_name`` with one algorithm; returns per-step times and counters (this rank)."""
+    import torch
+    import torch.distributed as dist
+
+    import bagua_lite
+    from bagua_lite import comm
+
+    net, _ = make_model(model_name)
+    name, options = cell["name"], cell["options"]
+    lr = 0.01
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    wrapper, ours = None, name not in BASELINES
+    if ours:
+        from bagua_lite.algorithms import build
+
+        wrapper = bagua_lite.DistributedModel(net, opt, algorithm=build(name, **options),
+                                              bucket_size_mb=cfg["bucket_size_mb"])
+        model = wrapper
+    else:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # powerSGD_hook with several buckets on gloo crashes (its per-bucket callbacks launch collectives
+        # out of order); it runs reliably with one bucket, so that is how we run it.
+        cap = 4096 if name == "ddp_powersgd" else cfg["bucket_size_mb"]
+        model = DDP(net, bucket_cap_mb=cap)
+        if name == "ddp_fp16":
+            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name == "ddp_powersgd":
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
+                                                start_powerSGD_iter=2, min_compression_rate=0.5)
+            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times, losses, waits, busy, sent, tx = [], [], [], [], [], []
+    for step, (x, y) in enumerate(batches):
+        dist.barrier()
+        comm.reset_traffic()
+        tx0 = _tx_bytes()
+        wait0 = wrapper.timings["backward_wait_s"] if ours else 0.0
+        if ours:
+            wrapper._engine.reset_stats()
+        t0 = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        dt = time.perf_counter() - t0
+        if step >= cfg["warmup_steps"]:
+            times.append(dt)
+            losses.append(float(loss.detach()))
+            if ours:
+                waits.append(wrapper.timings["backward_wait_s"] - wait0)
+                busy.append(wrapper._engine.stats()["busy_seconds"])
+            sent.append(comm.bytes_sent())
+            tx1 = _tx_bytes()
+            tx.append(None if tx0 is None else tx1 - tx0)
+    picked = None
+    if ours:
+        picked = getattr(wrapper.algorithm, "picked", None)
+        picked = repr(picked) if picked is not None else None
+        wrapper.close()
+    # Step time of the cell = the slowest rank's, per step.
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"times": t.tolist(), "loss": losses[-1] if losses else float("nan"), "waits": waits, "busy": busy,
+            "bytes": sent, "tx_bytes": tx, "picked": picked}
+
+
+def _compute_floor(model_name, batches, cfg):
+    """Per-step time with no communication at all (every rank computing at once, as in training)."""
+    import torch
+    import torch.distributed as dist
+
+    net, _ = make_model(model_name)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for step, (x, y) in enumerate(batches):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= cfg["warmup_steps"]:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker_main(cfg, network, result_path):
+    """Runs on every rank (spawned by the launcher or under torchrun); rank 0 appends JSON lines."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from . import cost_model
+
+    net = cost_model.probe_network()
+    machine = cost_model.calibrate_machine()
+
+    def emit(record):
+        if rank == 0:
+            with open(result_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    emit({"kind": "network", "network": network, "world_size": world, "alpha": net.alpha, "beta": net.beta,
+          "machine": machine.__dict__})
+    for model_name in cfg["models"]:
+        _, shape = make_model(model_name)
+        numel = sum(p.numel() for p in make_model(model_name)[0].parameters())
+        batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["steps"], rank)
+        floor = _compute_floor(model_name, batches, cfg)
+        emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
+              "step_s": floor})
+        for cell in cfg["algorithms"]:
+            res = _run_cell(cell, cfg, model_name, batches, rank, world)
+            work = cost_model.Workload(numel=numel, compute_s=floor,
+                                       n_buckets=max(1, int(numel * 4 / (cfg["bucket_size_mb"] * 2 ** 20)) + 1))
+            try:
+                pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
+            except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
+                pred = {"error": str(e)}
+            emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
+                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"], "floor_s": floor,
+                  "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
+    dist.destroy_process_group()
+
+
+# ---- launcher --------------------------------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _progress(done, total, label, width=30):
+    filled = int(width * done / max(1, total))
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:60]:<60}")
+    sys.stderr.flush()
+
+
+def launch(cfg, config_path, network, world_size, result_path, total, done_before):
+    """Start ``world_size`` workers for one network condition; wait, showing progress."""
+    from . import netem
+
+    env_base = dict(os.environ, WORLD_SIZE=str(world_size), BAGUA_LITE_BENCH_NETWORK=network)
+    port = _free_port()
+    emu = None
+    try:
+        rate = netem.NETWORKS[network]
+        if rate is not None:
+            emu = netem.EmulatedNetwork(world_size, rate).__enter__()
+            master = emu.address(0)
+        else:
+            master = "127.0.0.1"
+        procs = []
+        for r in range(world_size):
+            env = dict(env_base, RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR=master, MASTER_PORT=str(port))
+            argv = [sys.executable, "-m", "bagua_lite.benchmark", "--config", config_path, "--worker",
+                    "--network", network, "--result-file", result_path]
+            if emu is not None:
+                env["GLOO_SOCKET_IFNAME"] = emu.interface(r)
+                argv = emu.command(r, argv)
+            procs.append(subprocess.Popen(argv, env=env))
+        deadline = time.monotonic() + cfg["timeout_s"] * 2
+        while any(p.poll() is None for p in procs):
+            cells = _count_cells(result_path)
+            _progress(done_before + cells, total, f"{network} P={world_size}")
+            failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"benchmark: workers for network={network} P={world_size} failed "
+                                   f"(exit codes {failed}) or timed out; see their output above")
+            time.sleep(0.5)
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"benchmark: workers for network={network} P={world_size} exited with {bad}")
+    finally:
+        if emu is not None:
+            emu.__exit__(None, None, None)
+
+
+def _count_cells(path):
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if '"kind": "cell"' in line)
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# ---- analysis and output ---------------------------------------------------------------------------------------
+def summarize(records):
+    """Turn raw records into one row per cell with medians and ratios."""
+    cells = [r for r in records if r["kind"] == "cell"]
+    rows = []
+    for c in cells:
+        step = statistics.median(c["times"])
+        world = c["world_size"]
+        ddp = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
+               and d["world_size"] == world and d["model"] == c["model"]]
+        ddp_step = statistics.median(ddp[0]["times"]) if ddp else None
+        wait = statistics.median(c["waits"]) if c["waits"] else None
+        busy = statistics.median(c["busy"]) if c["busy"] else None
+        tx = [b for b in c["tx_bytes"] if b is not None]
+        counted = statistics.median(c["bytes"]) if c["bytes"] else 0
+        comm_s = max(0.0, step - c["floor_s"])
+        hidden = None
+        if busy:
+            hidden = max(0.0, min(1.0, 1.0 - (wait or 0.0) / busy))
+        pred = c.get("prediction") or {}
+        pred_step = pred.get("step_s")
+        rows.append({
+            "network": c["network"], "world_size": world, "model": c["model"], "algorithm": c["label"],
+            "name": c["algorithm"], "step_s": step, "samples_per_s": world * c["batch_size"] / step,
+            "speedup_vs_ddp": (ddp_step / step) if ddp_step else None, "floor_s": c["floor_s"],
+            "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
+            "bytes_per_step_counted": counted, "bytes_per_step_wire": statistics.median(tx) if tx else None,
+            "final_loss": c["loss"], "predicted_step_s": pred_step,
+            "prediction_error": (abs(pred_step - step) / step) if pred_step else None,
+            "picked": c.get("picked"),
+        })
+    return rows
+
+
+def print_table(rows, out=sys.stdout):
+    hdr = (f"{'network':<9}{'P':>3} {'model':<9} {'algorithm':<34}{'s/step':>8}{'samples/s':>10}{'vs DDP':>8}"
+           f"{'floor':>7}{'exposed':>8}{'hidden':>7}{'MB/step':>9}{'loss':>8}{'pred':>7}{'err':>6}")
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        mb = r["bytes_per_step_wire"] if r["bytes_per_step_wire"] is not None else r["bytes_per_step_counted"]
+        print(f"{r['network']:<9}{r['world_size']:>3} {r['model']:<9} {r['algorithm'][:33]:<34}{r['step_s']:>8.3f}"
+              f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
+              f"{r['comm_exposed_s']:>8.3f}{fmt(r['hidden_share'], '>7.0%')}{(mb or 0) / 1e6:>9.2f}"
+              f"{r['final_loss']:>8.3f}{fmt(r['predicted_step_s'], '>7.3f')}{fmt(r['prediction_error'], '>6.0%')}",
+              file=out)
+    print("MB/step: bytes this rank sent per step (network namespace counter on emulated links, bagua_lite's "
+          "own counter on loopback; '-' prediction: no model). hidden: share of engine time overlapped with "
+          "backward.", file=out)
+
+
+def auto_report(rows, out=sys.stdout):
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    hits, total = 0, 0
+    for key, rs in groups.items():
+        autos = [r for r in rs if r["name"] == "auto"]
+        others = [r for r in rs if r["name"] != "auto"]
+        if not autos or not others:
+            continue
+        best = min(others, key=lambda r: r["step_s"])
+        ok = autos[0]["step_s"] <= 1.1 * best["step_s"]
+        hits += ok
+        total += 1
+        print(f"auto on {key[0]} P={key[1]} {key[2]}: picked {autos[0]['picked']}, {autos[0]['step_s']:.3f} s/step; "
+              f"best measured {best['algorithm']} {best['step_s']:.3f} s/step -> {'within' if ok else 'NOT within'} 10%",
+              file=out)
+    if total:
+        print(f"auto's pick within 10% of the best measured algorithm in {hits}/{total} cells", file=out)
+
+
+def projection_report(records, world_sizes, out=sys.stdout):
+    from . import cost_model
+
+    nets = {(r["network"], r["world_size"]): r for r in records if r["kind"] == "network"}
+    floors = {(r["network"], r["world_size"], r["model"]): r for r in records if r["kind"] == "floor"}
+    algs = {}
+    for r in records:
+        if r["kind"] == "cell":
+            algs[r["label"]] = (r["algorithm"], r["options"])
+    result = []
+    for (network, P, model), fl in sorted(floors.items()):
+        nr = nets[(network, P)]
+        net = cost_model.Network(alpha=nr["alpha"], beta=nr["beta"])
+        machine = cost_model.Machine(**nr["machine"])
+        work = cost_model.Workload(numel=fl["numel"], compute_s=fl["step_s"])
+        cands = [(n, o) for n, o in algs.values() if n in cost_model.PREDICTABLE]
+        proj = cost_model.project(cands, world_sizes, work, net, machine)
+        print(f"\nprojection for {model} on {network} (alpha={net.alpha * 1e6:.1f} us, "
+              f"beta={1 / max(net.beta, 1e-30) * 8 / 1e9:.2f} Gbit/s, compute {fl['step_s']:.3f} s, measured at P={P}):",
+              file=out)
+        for p in proj:
+            p.update(network=network, model=model)
+            result.append(p)
+            print("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items()
+                                   if k not in ("network", "model")), file=out)
+    return result
+
+
+def write_outputs(rows, projections, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"rows": rows, "projections": projections}, f, indent=2)
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == model]
+        nets = list(dict.fromkeys(f"{r['network']} P={r['world_size']}" for r in rs))
+        algs = list(dict.fromkeys(r["algorithm"] for r in rs))
+        width = 0.8 / max(1, len(nets))
+        for i, net in enumerate(nets):
+            vals = []
+            for a in algs:
+                m = [r for r in rs if r["algorithm"] == a and f"{r['network']} P={r['world_size']}" == net]
+                vals.append(m[0]["samples_per_s"] if m else 0)
+            ax.bar([j + i * width for j in range(len(algs))], vals, width, label=net)
+        ax.set_xticks([j + width * (len(nets) - 1) / 2 for j in range(len(algs))])
+        ax.set_xticklabels([a[:22] for a in algs], rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"throughput, {model}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "throughput.png"), dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/benchmark.yaml")
+    ap.add_argument("--project", default="", help="comma-separated world sizes to project to, e.g. 16,32,128,1024")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--network", default="loopback", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cfg = load_benchmark_config(args.config)
+    project = [int(p) for p in args.project.split(",") if p.strip()] or list(cfg["project"])
+
+    if args.worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.result_file is None):
+        # Under torchrun on a real cluster: measure here; rank 0 writes the results.
+        path = args.result_file or os.path.join(args.out, "records.jsonl")
+        if not args.worker:
+            os.makedirs(args.out, exist_ok=True)
+        worker_main(cfg, os.environ.get("BAGUA_LITE_BENCH_NETWORK", args.network), path)
+        if args.worker or int(os.environ["RANK"]) != 0:
+            return
+        records = _read(path)
+    else:
+        from . import netem
+
+        networks = list(cfg["networks"])
+        if any(netem.NETWORKS[n] is not None for n in networks):
+            ok, why = netem.available()
+            if not ok:
+                print(f"benchmark: emulated networks unavailable ({why}); running loopback only", file=sys.stderr)
+                networks = [n for n in networks if netem.NETWORKS[n] is None] or ["loopback"]
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "records.jsonl")
+        if os.path.exists(path):
+            os.unlink(path)
+        per_launch = len(cfg["models"]) * len(cfg["algorithms"])
+        total = per_launch * len(networks) * len(cfg["world_sizes"])
+        done = 0
+        t0 = time.monotonic()
+        for network in networks:
+            for P in cfg["world_sizes"]:
+                launch(cfg, args.config, network, P, path, total, done)
+                done += per_launch
+        _progress(total, total, f"done in {time.monotonic() - t0:.0f} s")
+        sys.stderr.write("\n")
+        records = _read(path)
+    rows = summarize(records)
+    print_table(rows)
+    auto_report(rows)
+    measured_err = [r["prediction_error"] for r in rows if r["prediction_error"] is not None]
+    if measured_err:
+        by_p = {}
+        for r in rows:
+            if r["prediction_error"] is not None:
+                by_p.setdefault(r["world_size"], []).append(r["prediction_error"])
+        print("cost model error vs measured (median |pred-meas|/meas): "
+              + ", ".join(f"P={p}: {statistics.median(e):.0%}" for p, e in sorted(by_p.items())))
+    projections = projection_report(records, project) if project else []
+    write_outputs(rows, projections, args.out)
+    print(f"wrote {args.out}/results.json, results.csv, throughput.png")
+
+
+if __name__ == "__main__":
+    main()
