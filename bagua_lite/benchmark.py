@@ -271,9 +271,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
+_last_progress = [None]
+
+
 def _progress(done, total, label, width=30):
+    """A progress bar on a terminal; one line per change otherwise (CI logs)."""
+    if _last_progress[0] == (done, label):
+        return
+    _last_progress[0] = (done, label)
     filled = int(width * done / max(1, total))
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:60]:<60}")
+    bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:60]}"
+    sys.stderr.write(f"\r{bar:<100}" if sys.stderr.isatty() else bar + "\n")
     sys.stderr.flush()
 
 
@@ -345,7 +353,8 @@ def summarize(records):
         wait = statistics.median(c["waits"]) if c["waits"] else None
         busy = statistics.median(c["busy"]) if c["busy"] else None
         tx = [b for b in c["tx_bytes"] if b is not None]
-        counted = statistics.median(c["bytes"]) if c["bytes"] else 0
+        # bagua_lite's own counter sees our collectives only; DDP's bytes show on emulated links' counters.
+        counted = statistics.median(c["bytes"]) if c["bytes"] and c["algorithm"] not in BASELINES else None
         comm_s = max(0.0, step - c["floor_s"])
         hidden = None
         if busy:
@@ -370,12 +379,14 @@ def print_table(rows, out=sys.stdout):
            f"{'floor':>7}{'exposed':>8}{'hidden':>7}{'MB/step':>9}{'loss':>8}{'pred':>7}{'err':>6}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
-    fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    def fmt(v, f):
+        return format("-", f[0] + f[1:].split(".")[0].rstrip("%")) if v is None else format(v, f)
+
     for r in rows:
         mb = r["bytes_per_step_wire"] if r["bytes_per_step_wire"] is not None else r["bytes_per_step_counted"]
         print(f"{r['network']:<9}{r['world_size']:>3} {r['model']:<9} {r['algorithm'][:33]:<34}{r['step_s']:>8.3f}"
               f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
-              f"{r['comm_exposed_s']:>8.3f}{fmt(r['hidden_share'], '>7.0%')}{(mb or 0) / 1e6:>9.2f}"
+              f"{r['comm_exposed_s']:>8.3f}{fmt(r['hidden_share'], '>7.0%')}{fmt(None if mb is None else mb / 1e6, '>9.2f')}"
               f"{r['final_loss']:>8.3f}{fmt(r['predicted_step_s'], '>7.3f')}{fmt(r['prediction_error'], '>6.0%')}",
               file=out)
     print("MB/step: bytes this rank sent per step (network namespace counter on emulated links, bagua_lite's "

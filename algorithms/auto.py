@@ -1,0 +1,233 @@
+"""Auto: run the relaxation that the alpha-beta cost model predicts fastest for this model, network and P.
+
+    set-up:                 network <- probe_network()  (ping-pong between ranks 0 and 1; or the
+                                                         ``network`` option, e.g. an emulated link)
+                            machine <- calibrate_machine()  (topk, quantize, fp16, add per element)
+    steps 1..probe_steps:   dense gradient_allreduce; compute <- wall(forward .. optimizer.step)
+                                                               - time waiting for communication
+    after the probe:        inputs <- max over ranks            (one decision on every rank)
+                            pick   <- cost_model.choose(candidates, P, workload, network, machine)
+                            log one line: the pick, every candidate's predicted s/step, the inputs
+    from then on:           every hook and every bucket's ops are the pick's
+
+``candidates`` run from most to least exact; a candidate within ``tolerance`` of the fastest predicted
+step time is preferred over later ones, so a compute-bound job stays on dense SGD. ``picked`` is the
+chosen :class:`~bagua_lite.Algorithm` (None during the probe), ``decision`` the inputs and predictions.
+
+Native engine ops (``bagua_lite._C.AllreduceOp``, ``CompressedAllreduceOp``) cannot be run from Python
+(the binding has no ``run``), so the pick's native ops are replaced by the ``bagua_lite.comm`` call they
+stand for, on the model's process group and averaging (as every built-in algorithm builds them).
+"""
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from bagua_lite import _C, comm, cost_model
+from bagua_lite.algorithm import Algorithm, build, register, registered
+
+log = logging.getLogger("bagua_lite")
+
+_NOT_CANDIDATES = ("auto", "ddp", "ddp_fp16", "ddp_powersgd")
+
+
+def _params(n):
+    return f"{n / 1e6:.3g}M" if n >= 100_000 else f"{n}"
+
+
+@register("auto")
+class Auto(Algorithm):
+    def __init__(self, candidates: list = cost_model.DEFAULT_AUTO_CANDIDATES, probe_steps: int = 2,
+                 tolerance: float = 0.05, network: dict = None, machine: dict = None, compute_s: float = None,
+                 backward_fraction: float = 0.66):
+        super().__init__()
+        self.candidates = cost_model.normalize_candidates(candidates)
+        for name, opts in self.candidates:
+            if name in _NOT_CANDIDATES or name not in cost_model.PREDICTABLE:
+                raise ValueError(f"auto: candidate {name!r} is not allowed; choose among "
+                                 + ", ".join(n for n in cost_model.PREDICTABLE if n not in _NOT_CANDIDATES))
+            if name not in registered():
+                raise ValueError(f"auto: candidate {name!r} is not a registered algorithm")
+            build(name, **opts)  # validate the options now, before any traffic
+        if not isinstance(probe_steps, int) or probe_steps < 0:
+            raise ValueError(f"auto: probe_steps must be an int >= 0, got {probe_steps!r}")
+        if not tolerance >= 0:
+            raise ValueError(f"auto: tolerance must be >= 0, got {tolerance!r}")
+        if network is not None:
+            if not isinstance(network, dict) or set(network) != {"alpha", "beta"} or \
+                    not all(isinstance(v, (int, float)) and v >= 0 for v in network.values()):
+                raise ValueError(f"auto: network must be {{alpha: seconds, beta: seconds per byte}} (>= 0), got {network!r}")
+        if machine is not None:
+            try:
+                cost_model.Machine(**machine)
+            except TypeError as e:
+                raise ValueError(f"auto: machine must hold cost_model.Machine's fields: {e}") from None
+        if compute_s is not None and not (isinstance(compute_s, (int, float)) and compute_s >= 0):
+            raise ValueError(f"auto: compute_s must be a number >= 0 (seconds), got {compute_s!r}")
+        if probe_steps == 0 and compute_s is None:
+            raise ValueError("auto: probe_steps=0 needs compute_s (nothing is measured)")
+        if not 0 <= backward_fraction <= 1:
+            raise ValueError(f"auto: backward_fraction must be in [0, 1], got {backward_fraction!r}")
+        self.probe_steps = probe_steps
+        self.tolerance = float(tolerance)
+        self.network_option = network
+        self.machine_option = machine
+        self.compute_option = compute_s
+        self.backward_fraction = float(backward_fraction)
+        self.picked = None
+        self.picked_label = None
+        self.decision = None
+        self.delegate = None
+        self._base_step = 0
+        self._ops = []
+        self._t0 = None
+        self._probe_compute = []
+
+    # ---- set-up ------------------------------------------------------------------------------------------
+    def init(self, model):
+        if self.network_option is not None:
+            self.network, self.network_source = cost_model.Network(**self.network_option), "given"
+        else:
+            self.network, self.network_source = cost_model.probe_network(model.process_group), "probed"
+        if self.machine_option is not None:
+            self.machine = cost_model.Machine(**self.machine_option)
+        else:
+            numel = max(b.numel for b in model.buckets)
+            self.machine = cost_model.calibrate_machine(numel=min(1 << 22, max(1 << 16, numel)), repeats=3)
+        if self.probe_steps == 0:
+            self._decide(float(self.compute_option))
+        else:
+            self._delegate_to("gradient_allreduce", {})
+
+    def bucket_ops(self, bucket):
+        def auto_dispatch(flat, i=bucket.index):
+            for op in self._ops[i]:
+                op(flat)
+        auto_dispatch.__name__ = f"auto_bucket{bucket.index}"
+        return [auto_dispatch]
+
+    # ---- per step: delegate --------------------------------------------------------------------------------
+    def sync_gradients(self):
+        self._sync_step()
+        return self.delegate.sync_gradients()
+
+    def before_forward(self):
+        if self.picked is None and self._t0 is None:
+            self._t0 = (time.perf_counter(), self.model.timings["backward_wait_s"])
+        self._sync_step()
+        self.delegate.before_forward()
+
+    def after_backward(self):
+        self._sync_step()
+        self.delegate.after_backward()
+
+    def after_step(self):
+        self._sync_step()
+        self.delegate.after_step()
+        if self.picked is not None:
+            return
+        if self._t0 is not None:
+            t0, wait0 = self._t0
+            wall = time.perf_counter() - t0
+            self._probe_compute.append(max(0.0, wall - (self.model.timings["backward_wait_s"] - wait0)))
+            self._t0 = None
+        if self.step >= self.probe_steps:
+            measured = min(self._probe_compute) if self._probe_compute else 0.0
+            self._decide(measured if self.compute_option is None else float(self.compute_option))
+
+    # ---- the decision ----------------------------------------------------------------------------------------
+    def _decide(self, compute_s):
+        model = self.model
+        m = self.machine
+        fields = ["topk_s_per_elem", "quantize_s_per_elem", "fp16_s_per_elem", "add_s_per_elem",
+                  "merge_s_per_elem", "matmul_s_per_flop"]
+        inputs = torch.tensor([compute_s] + [getattr(m, f) for f in fields], dtype=torch.float64)
+        if model.world_size > 1:  # the slowest rank sets the pace; and every rank decides on equal inputs
+            dist.all_reduce(inputs, op=dist.ReduceOp.MAX, group=model.process_group)
+        compute_s = float(inputs[0])
+        machine = cost_model.Machine(**{f: float(v) for f, v in zip(fields, inputs[1:].tolist())})
+        numels = [b.numel for b in model.buckets]
+        work = cost_model.Workload(numel=sum(numels), elem_bytes=model.buckets[0].flat.element_size(),
+                                   compute_s=compute_s, backward_fraction=self.backward_fraction,
+                                   n_buckets=len(numels), bucket_numels=numels)
+        i, preds = cost_model.choose(self.candidates, model.world_size, work, self.network, machine, self.tolerance)
+        name, opts = self.candidates[i]
+        self._delegate_to(name, opts)
+        self.picked = self.delegate
+        self.picked_label = cost_model.label(name, opts)
+        self.decision = {"picked": i, "candidates": [[n, o] for n, o in self.candidates],
+                         "predictions": preds, "compute_s": compute_s, "machine": machine.__dict__,
+                         "network": self.network.__dict__, "network_source": self.network_source,
+                         "world_size": model.world_size, "bucket_numels": numels, "step": self.step}
+        self.decision["line"] = self._line(i, preds, work)
+        if model.rank == 0:
+            log.info(self.decision["line"])
+            print(self.decision["line"], flush=True)
+
+    def _line(self, i, preds, work):
+        labels = [cost_model.label(n, o) for n, o in self.candidates]
+        fastest = min(range(len(preds)), key=lambda j: preds[j]["step_s"])
+        others = ", ".join(f"{labels[j]} {preds[j]['step_s']:.3g}" for j in range(len(preds)) if j != i)
+        why = ""
+        if fastest != i:
+            why = (f"; within {self.tolerance:.0%} of the fastest, {labels[fastest]} "
+                   f"{preds[fastest]['step_s']:.3g}, and listed earlier")
+        net = self.network
+        gbit = f"{8 / net.beta / 1e9:.3g} Gbit/s" if net.beta > 0 else "inf Gbit/s"
+        return (f"bagua_lite auto: picked {labels[i]}: predicted {preds[i]['step_s']:.3g} s/step"
+                + (f" vs {others}" if others else "") + why
+                + f" (alpha={net.alpha:.3g} s, beta={net.beta:.3g} s/B = {gbit} {self.network_source}, "
+                  f"{_params(work.numel)} params, compute {work.compute_s:.3g} s, P={self.model.world_size})")
+
+    def _delegate_to(self, name, opts):
+        d = build(name, **opts)
+        d.model = self.model
+        d.init(self.model)
+        self.delegate = d
+        self._base_step = self.step
+        self._sync_step()
+        self._ops = [[self._callable(op) for op in d.bucket_ops(b)] for b in self.model.buckets]
+
+    def _sync_step(self):
+        if self.delegate is not None:
+            self.delegate.step = self.step - self._base_step
+
+    def _callable(self, op):
+        """A Python callable for one of the delegate's ops (native ops have no Python ``run``)."""
+        pg = self.process_group
+        if isinstance(op, _C.AllreduceOp):
+            how = "avg" if op.name == "allreduce(avg)" else "sum"
+            return lambda flat: comm.allreduce(flat, how, group=pg)
+        if isinstance(op, _C.CompressedAllreduceOp):
+            compression = op.name[len("compressed_allreduce("):-1]
+            return lambda flat: comm.compressed_allreduce(flat, compression, group=pg, op="avg")
+        if isinstance(op, _C.Op):
+            raise TypeError(f"auto: cannot run the native op {op.name!r} of {self.delegate!r} from Python")
+        if not callable(op):
+            raise TypeError(f"auto: {self.delegate!r} returned a bucket op that is not callable: {op!r}")
+        return op
+
+    # ---- state -------------------------------------------------------------------------------------------------
+    def state_dict(self):
+        state = {"step": self.step, "base_step": self._base_step, "delegate": self.delegate.state_dict()
+                 if self.delegate is not None else None}
+        if self.picked is not None:
+            state["picked"] = list(self.candidates[self.decision["picked"]]) if self.decision else None
+            state["decision"] = self.decision
+        return state
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        pick = state.get("picked")
+        if pick is not None:
+            name, opts = pick
+            self._delegate_to(name, dict(opts))
+            self.picked = self.delegate
+            self.picked_label = cost_model.label(name, opts)
+            self.decision = state.get("decision")
+        self._base_step = int(state["base_step"])
+        self._sync_step()
+        if state.get("delegate") is not None and self.delegate is not None:
+            self.delegate.load_state_dict(state["delegate"])
+        self._sync_step()
