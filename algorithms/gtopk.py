@@ -5,8 +5,10 @@ Algorithm 1 of the paper, per bucket (G: the bucket's flat gradient, eps: its re
     V, I     <- topk(acc, k)                       (local top-k, radix select in C++)
     gV, gI   <- gTopKAllReduce(V, I, k)            (recursive doubling: log2 P rounds of k pairs)
     eps      <- acc with entries in I ∩ gI zeroed  (locally selected and globally kept were sent;
-                                                    with exact=True every rank's value at gI was summed,
-                                                    so all of gI is zeroed)
+                                                    also with exact=True: the exact sum at gI adds each
+                                                    rank's *selected* value there, 0 where the rank did
+                                                    not select it, so entries of gI outside I were not
+                                                    sent and stay in the residual)
     G        <- scatter(gV, gI) / P
 """
 import torch
@@ -27,7 +29,7 @@ class GTopK(ErrorFeedbackSparsifier):
     def aggregate(self, values, indices, acc, flat):
         k = values.numel()
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact)
-        sent = g_indices if self.exact else g_indices[torch.isin(g_indices, indices)]
+        sent = g_indices[torch.isin(g_indices, indices)]  # exact or not: only what this rank sent
         kernels.ef_remove_(acc, sent)
         flat.zero_()
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n

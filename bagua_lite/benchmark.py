@@ -289,7 +289,9 @@ def launch(cfg, config_path, network, world_size, result_path, total, done_befor
     """Start ``world_size`` workers for one network condition; wait, showing progress."""
     from . import netem
 
-    env_base = dict(os.environ, WORLD_SIZE=str(world_size), BAGUA_LITE_BENCH_NETWORK=network)
+    threads = os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")
+    env_base = dict(os.environ, WORLD_SIZE=str(world_size), BAGUA_LITE_BENCH_NETWORK=network, OMP_NUM_THREADS=threads,
+                    BAGUA_LITE_BENCH_THREADS=threads)
     port = _free_port()
     emu = None
     try:

@@ -43,14 +43,14 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
 ``topk``               TopKAllReduce (csrc/collectives/sparse_allreduce.cpp): an allgather of
                        (k, numel, dtype) as 3 int64, then an allgather of [k values][k int32]:
                        (P-1) 24 + (P-1) k (e + 4) bytes; gloo's allgather is a ring, so
-                       2 (P-1) alpha. Local: topk select (n * topk) + error-feedback add, zero of
-                       the dense output, divide (3 n * add) + scatter of the P k pairs (P k * add).
+                       2 (P-1) alpha. Local: topk select (n * topk) + error-feedback add and zero of
+                       the dense output (2 n * add) + scatter of the P k pre-divided pairs (P k * add).
 ``gtopk``              recursive doubling (csrc/collectives/gtopk_allreduce.cpp), message k (e + 4):
                        L swaps (send and receive at once: alpha + k (e + 4) beta each); if P != P',
                        one fold before and one unfold after, sequential: + 2 (alpha + k (e + 4) beta).
                        Busiest rank: rank 0, L + [P != P'] messages. ``exact``: + T_ring(k e) and
-                       ring(k e) bytes. Local: topk + 3 n * add as for topk, plus a merge of 2k
-                       pairs per message (2k * merge each).
+                       ring(k e) bytes. Local: topk + 2 n * add as for topk, plus a merge of 2k
+                       pairs per message (2k * merge each) and the scatter of k pairs.
 ``decentralized``      after the optimizer step, on the flat weights (m = all parameters), every
                        ``communication_interval`` steps (amortised: divided by it). ring: P >= 3
                        sends m to both neighbours at once on one link: alpha + 2 m beta, 2m bytes;
@@ -384,7 +384,7 @@ def _local_s(name, options, P, n, machine):
     if name in ("topk", "gtopk"):
         k = _k(options.get("density", 0.001), n)
         mc = n * add if options.get("momentum_correction", 0.0) else 0.0
-        base = n * topk + 3 * n * add + mc
+        base = n * topk + 2 * n * add + mc  # acc += g; dense output zeroed (the average divides k values)
         if name == "topk":
             return base + P * k * add
         core = _core(P)

@@ -1,6 +1,6 @@
 """A local demo: train a small MLP on scikit-learn's digits with every algorithm config, 4 processes.
 
-    python -m bagua_lite.demo [--configs configs/*.yaml] [--world-size 4] [--epochs 15]
+    python -m bagua_lite.demo [--configs configs/*.yaml] [--world-size 4] [--epochs 20]
 
 The processes are spawned here on loopback (gloo); ``examples/train.py`` runs the same training under
 ``torchrun``. Prints one row per config: time per step, final training loss, held-out accuracy.
@@ -8,6 +8,7 @@ The processes are spawned here on loopback (gloo); ``examples/train.py`` runs th
 import argparse
 import datetime
 import glob
+import math
 import multiprocessing as mp
 import os
 import tempfile
@@ -38,25 +39,40 @@ def make_mlp(seed=0):
 
 def optimizer_momentum(algorithm, momentum=0.9):
     """The optimizer's SGD momentum for ``algorithm``: ``momentum``, unless the algorithm applies momentum
-    itself (DGC's momentum correction, ``momentum_correction > 0``), in which case 0 (plain SGD)."""
+    itself (DGC's momentum correction, option ``momentum_correction > 0``): then 0, plain SGD, so that
+    momentum is applied once, not compounded on top of the algorithm's own."""
     return 0.0 if getattr(algorithm, "momentum_correction", 0.0) else momentum
 
 
-def train_digits(cfg, epochs=15, batch_size=16, lr=0.05, momentum=0.9, seed=0, opt_momentum=None):
-    """Train on this rank's shard with ``cfg`` (a bagua_lite Config); returns a dict of results."""
+def train_digits(cfg, epochs=20, batch_size=16, lr=0.05, momentum=0.9, schedule="cosine", seed=0):
+    """Train on this rank's shard with ``cfg`` (a bagua_lite Config); returns a dict of results.
+
+    The recipe is the same for every algorithm: SGD, ``lr``, ``momentum`` (in the optimizer, or in the
+    algorithm when its config sets ``momentum_correction``, see :func:`optimizer_momentum`), ``epochs``
+    and ``schedule`` (``"cosine"``: lr decays to 0 over the run, per step; ``"constant"``). Why 20
+    epochs and cosine: with error feedback a sparsified gradient (Top-k/gTop-k at density 0.01 send 1% of
+    the coordinates) arrives late, so 10 constant-lr epochs (220 steps at P=4) left them at 0.85-0.90
+    held-out accuracy against 0.955 for dense SGD; the decay also makes the reported final iterate a
+    converged one rather than a noisy sample (constant lr moves held-out accuracy by +-2 points between
+    neighbouring epochs on this 360-sample test set).
+    """
     import bagua_lite
 
+    if schedule not in ("cosine", "constant"):
+        raise ValueError(f"train_digits: schedule must be 'cosine' or 'constant', got {schedule!r}")
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y, x_test, y_test = digits_shards(rank, world, seed)
     net = make_mlp(seed)
-    m = optimizer_momentum(cfg.algorithm, momentum) if opt_momentum is None else opt_momentum
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=m)
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=optimizer_momentum(cfg.algorithm, momentum))
     model = bagua_lite.DistributedModel(net, opt, algorithm=cfg.algorithm, bucket_size_mb=cfg.bucket_size_mb)
     loss_fn = torch.nn.CrossEntropyLoss()
     steps = torch.tensor([len(x) // batch_size])
     dist.all_reduce(steps, op=dist.ReduceOp.MIN)  # same number of steps on every rank
     steps = int(steps)
     losses = []
+    total = max(1, epochs * steps)
+    sched = (torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * min(i, total) / total)))
+             if schedule == "cosine" else None)
     t0 = time.perf_counter()
     for epoch in range(epochs):
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed * 1000 + epoch * 31 + rank))
@@ -66,6 +82,8 @@ def train_digits(cfg, epochs=15, batch_size=16, lr=0.05, momentum=0.9, seed=0, o
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if sched is not None:
+                sched.step()
             losses.append(loss.item())
     elapsed = time.perf_counter() - t0
     with torch.no_grad():
@@ -109,7 +127,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", default=None, help="YAML files (default: configs/*.yaml except benchmark)")
     ap.add_argument("--world-size", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--epochs", type=int, default=20)
     args = ap.parse_args(argv)
     import bagua_lite
 

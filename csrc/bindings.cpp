@@ -100,7 +100,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("shift_one_partner", &coll::shift_one_partner, py::arg("rank"), py::arg("size"), py::arg("step"));
 
   // ---- engine ----
-  py::class_<eng::Op, eng::OpPtr>(m, "Op").def_property_readonly("name", &eng::Op::name);
+  py::class_<eng::Op, eng::OpPtr>(m, "Op")
+      .def_property_readonly("name", &eng::Op::name)
+      .def("run", [](eng::Op& op, at::Tensor bucket) { op.run(bucket); }, py::arg("bucket"), release(),
+           "Run the op on a flat bucket tensor now, on the calling thread (the engine normally does this).");
   py::class_<eng::AllreduceOp, eng::Op, std::shared_ptr<eng::AllreduceOp>>(m, "AllreduceOp")
       .def(py::init<bl::ProcessGroupPtr, bool>(), py::arg("pg"), py::arg("average"));
   py::class_<eng::CompressedAllreduceOp, eng::Op, std::shared_ptr<eng::CompressedAllreduceOp>>(m, "CompressedAllreduceOp")

@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <ATen/Parallel.h>
+
 #include <chrono>
 
 #include "collectives/collectives.h"
@@ -35,7 +37,7 @@ void Engine::shutdown() {
 void Engine::submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops)});
+    queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops), at::get_num_threads()});
     ++in_flight_;
   }
   cv_work_.notify_one();
@@ -81,6 +83,9 @@ void Engine::loop() {
       std::lock_guard<std::mutex> lock(mu_);
       return static_cast<bool>(error_);
     }();
+    // OpenMP thread counts are per thread: without this the worker would use the machine default
+    // (all cores) even when the trainer asked for fewer, and oversubscribe the CPU.
+    if (at::get_num_threads() != task.num_threads) at::set_num_threads(task.num_threads);
     const auto t0 = std::chrono::steady_clock::now();
     if (!skip) {
       for (auto& op : task.ops) {

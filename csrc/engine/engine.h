@@ -83,6 +83,7 @@ class Engine {
     int64_t bucket_id;
     at::Tensor bucket;
     std::vector<OpPtr> ops;
+    int num_threads;  // the submitting thread's intra-op thread count, applied on the worker
   };
   void loop();
 
