@@ -1,9 +1,9 @@
 """What Top-k and gTop-k share: error-feedback memory, a density schedule, DGC momentum correction.
 
 Per bucket and step (flat gradient g of n elements, k = density * n):
-    u <- m * u + g                (momentum correction, if enabled; else u = g)
-    acc <- residual + u           (error feedback: what was not sent before is added back)
-    V, I <- topk(acc, k)          (local selection)
+    u <- m * u + g                (momentum correction, if enabled; else u = g)    } per parameter, as
+    acc <- residual + u           (error feedback: what was not sent before)       } autograd produces it
+    V, I <- topk(acc, k)          (local selection; the rest runs on the engine thread)
     aggregate(V, I, acc, g)       (the subclass: how the selection travels; writes the average into g
                                    and removes what was sent from acc, which becomes the residual)
 """
@@ -49,15 +49,25 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._values = torch.empty(kmax, dtype=model.buckets[0].dtype)
         self._indices = torch.empty(kmax, dtype=torch.int32)
 
+    def on_gradient(self, bucket, position, grad):
+        """Error feedback straight from autograd: acc += g (or u <- m*u + g; acc += u), one pass, no copy
+        into the bucket (the bucket only ever holds the aggregated sparse result)."""
+        lo = bucket.offsets[position]
+        hi = lo + bucket.params[position].numel()
+        acc = self.residuals[bucket.index][lo:hi]
+        g = None if grad is None else grad.reshape(-1)
+        if self.momentum_correction:
+            u = self.momenta[bucket.index][lo:hi]
+            u.mul_(self.momentum_correction)
+            if g is not None:
+                u.add_(g)
+            acc.add_(u)
+        elif g is not None:
+            acc.add_(g)
+
     def bucket_ops(self, bucket):
         def sparsify_and_aggregate(flat, b=bucket):
-            acc = self.residuals[b.index]
-            if self.momentum_correction:
-                u = self.momenta[b.index]
-                u.mul_(self.momentum_correction).add_(flat)
-                acc.add_(u)
-            else:
-                acc.add_(flat)
+            acc = self.residuals[b.index]  # already holds gradient + old residual (on_gradient)
             k = self.k_for(b)
             values, indices = self._values[:k], self._indices[:k]
             kernels.topk_out(acc, k, values, indices)

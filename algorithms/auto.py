@@ -14,9 +14,8 @@
 step time is preferred over later ones, so a compute-bound job stays on dense SGD. ``picked`` is the
 chosen :class:`~bagua_lite.Algorithm` (None during the probe), ``decision`` the inputs and predictions.
 
-Native engine ops (``bagua_lite._C.AllreduceOp``, ``CompressedAllreduceOp``) cannot be run from Python
-(the binding has no ``run``), so the pick's native ops are replaced by the ``bagua_lite.comm`` call they
-stand for, on the model's process group and averaging (as every built-in algorithm builds them).
+The pick's native engine ops (``bagua_lite._C.AllreduceOp``, ...) run inside auto's per-bucket
+dispatcher through ``Op.run``.
 """
 import logging
 import time
@@ -24,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, comm, cost_model
+from bagua_lite import _C, cost_model
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
 log = logging.getLogger("bagua_lite")
@@ -112,6 +111,9 @@ class Auto(Algorithm):
         self._sync_step()
         return self.delegate.sync_gradients()
 
+    def on_gradient(self, bucket, position, grad):
+        self.delegate.on_gradient(bucket, position, grad)
+
     def before_forward(self):
         if self.picked is None and self._t0 is None:
             self._t0 = (time.perf_counter(), self.model.timings["backward_wait_s"])
@@ -194,16 +196,9 @@ class Auto(Algorithm):
             self.delegate.step = self.step - self._base_step
 
     def _callable(self, op):
-        """A Python callable for one of the delegate's ops (native ops have no Python ``run``)."""
-        pg = self.process_group
-        if isinstance(op, _C.AllreduceOp):
-            how = "avg" if op.name == "allreduce(avg)" else "sum"
-            return lambda flat: comm.allreduce(flat, how, group=pg)
-        if isinstance(op, _C.CompressedAllreduceOp):
-            compression = op.name[len("compressed_allreduce("):-1]
-            return lambda flat: comm.compressed_allreduce(flat, compression, group=pg, op="avg")
+        """A Python callable for one of the delegate's ops (native ops run through ``Op.run``)."""
         if isinstance(op, _C.Op):
-            raise TypeError(f"auto: cannot run the native op {op.name!r} of {self.delegate!r} from Python")
+            return op.run
         if not callable(op):
             raise TypeError(f"auto: {self.delegate!r} returned a bucket op that is not callable: {op!r}")
         return op

@@ -18,6 +18,8 @@ Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
+``on_gradient(b, j, grad)`` as each gradient is ready: how it goes into its bucket (default: copied into
+                           the slot; ``grad`` may already be the slot, or None if it got no gradient)
 ``before_forward()``       at the start of every forward
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
 ``after_backward()``       after all buckets of a synchronised backward finished
@@ -49,6 +51,19 @@ class Algorithm:
         return []
 
     # ---- per step ----------------------------------------------------------------------------------------
+    def on_gradient(self, bucket, position: int, grad) -> None:
+        """Put parameter ``position``'s ready gradient into ``bucket`` (runs on the autograd thread).
+
+        Afterwards the parameter's ``.grad`` becomes ``bucket.view(position)``, and once the bucket is
+        complete its ops run on the flat buffer. A relaxation that keeps its own accumulator (error
+        feedback) can add ``grad`` there instead and save a pass over the model.
+        """
+        view = bucket.view(position)
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() != view.data_ptr():
+            view.copy_(grad)
+
     def sync_gradients(self) -> bool:
         """Whether the gradients of the current step are communicated (must be the same on all ranks)."""
         return True

@@ -15,7 +15,7 @@ import contextlib
 import hashlib
 import json
 import time
-from typing import Optional, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -144,15 +144,16 @@ class DistributedModel(torch.nn.Module):
             self._backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         bi, j = self._slot[p]
-        b = self.buckets[bi]
-        view = b.view(j)
-        if p.grad is not view and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
-            view.copy_(p.grad)
-            p.grad = view
+        self._hand_over(self.buckets[bi], j, p)
         if not self._marked[bi][j]:
             self._marked[bi][j] = True
             self._ready[bi] += 1
         self._submit_ready()
+
+    def _hand_over(self, b, j, p):
+        """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot."""
+        self.algorithm.on_gradient(b, j, p.grad)
+        p.grad = b.view(j)
 
     def _submit_ready(self):
         while self._next_bucket < len(self.buckets) and \
@@ -166,12 +167,7 @@ class DistributedModel(torch.nn.Module):
         for b in self.buckets[self._next_bucket:]:
             for j, p in enumerate(b.params):
                 if not self._marked[b.index][j]:
-                    view = b.view(j)
-                    if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                        view.copy_(p.grad)
-                    else:
-                        view.zero_()
-                    p.grad = view
+                    self._hand_over(b, j, p)  # p.grad is None, or what no_sync steps accumulated
                     self._marked[b.index][j] = True
             self._ready[b.index] = len(b.params)
         self._submit_ready()

@@ -20,15 +20,19 @@ import torch
 from bagua_lite import kernels
 
 
-def median_ms(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
+def median_ms(fns, repeats, warmup=2):
+    """Median wall time (ms) of each function in `fns`, timed in interleaved rounds so that a change
+    in machine load during the run affects all of them alike (the ratios are what matters)."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(ts) for ts in times]
 
 
 def make_input(kind, n, dtype, gen):
@@ -51,10 +55,9 @@ def bench(kind, n, k, dtype, repeats, with_torch=True):
     values = torch.empty(k, dtype=dtype)
     indices = torch.empty(k, dtype=torch.int32)
 
-    ours = median_ms(lambda: kernels.topk(x, k), repeats)
-    ours_out = median_ms(lambda: kernels.topk_out(x, k, values, indices), repeats)
-    total = median_ms(lambda: x.sum(), repeats)
-    ref = median_ms(lambda: torch.topk(x.abs(), k), max(3, repeats // 2), warmup=1) if with_torch else float("nan")
+    ours, ours_out, total = median_ms(
+        [lambda: kernels.topk(x, k), lambda: kernels.topk_out(x, k, values, indices), lambda: x.sum()], repeats)
+    ref = median_ms([lambda: torch.topk(x.abs(), k)], max(3, repeats // 2), warmup=1)[0] if with_torch else float("nan")
 
     # Sanity (not timing): same selection as torch.topk as a set of magnitudes.
     v, i = kernels.topk(x, k)

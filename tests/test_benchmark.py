@@ -1,0 +1,49 @@
+"""The benchmark end to end on a tiny matrix (loopback, 2 ranks): outputs exist and say something true."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.benchmark", "--config", "configs/benchmark_quick.yaml",
+                           "--out", str(out), "--project", "16,1024"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = proc.stdout
+    assert "s/step" in text and "vs DDP" in text
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    names = [r["name"] for r in rows]
+    assert names == ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "gtopk", "topk"]
+    ddp = rows[0]
+    assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
+    for r in rows:
+        assert r["step_s"] > 0 and r["samples_per_s"] == pytest.approx(2 * 16 / r["step_s"])
+        assert r["final_loss"] == r["final_loss"]  # not NaN
+    # our algorithms count their own bytes: dense = ring allreduce of the whole model, gtopk far less
+    dense = next(r for r in rows if r["name"] == "gradient_allreduce")
+    gtopk = next(r for r in rows if r["name"] == "gtopk")
+    numel = 256 * 512 + 512 + 512 * 10 + 10
+    assert dense["bytes_per_step_counted"] == pytest.approx(2 * (2 - 1) * numel * 4 / 2, rel=1e-6)
+    assert 0 < gtopk["bytes_per_step_counted"] < dense["bytes_per_step_counted"] / 10
+    with open(out / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    assert (out / "throughput.png").stat().st_size > 1000
+    # the projection covers the requested sizes
+    projections = json.loads((out / "results.json").read_text())["projections"]
+    assert {p["world_size"] for p in projections} == {16, 1024}
+
+
+def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("world_sizes: [2]\nnetwork: [loopback]\nalgorithms: [ddp]\n")
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.benchmark", "--config", str(bad), "--out",
+                           str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "unknown key 'network'" in proc.stderr and "did you mean 'networks'" in proc.stderr
