@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/install.sh
 prefix=$("$PY" -c 'import torch; print(torch.utils.cmake_prefix_path)')
-cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$prefix" -DPython_EXECUTABLE="$(command -v "$PY")" >/dev/null
+cmake -S . -B build/cmake -G Ninja -DCMAKE_PREFIX_PATH="$prefix" >/dev/null
 cmake --build build/cmake
 ctest --test-dir build/cmake --output-on-failure
 "$PY" -m pytest -q "$@"
