@@ -19,9 +19,11 @@ class ErrorFeedbackSparsifier(Algorithm):
     def __init__(self, density: float = 0.001, warmup_densities: Sequence[float] = (),
                  warmup_steps_per_stage: int = 0, momentum_correction: float = 0.0):
         super().__init__()
-        for d in list(warmup_densities) + [density]:
-            if not isinstance(d, (int, float)) or not 0 < d <= 1:
-                raise ValueError(f"{self.name}: density must be in (0, 1], got {d!r}")
+        if not isinstance(density, (int, float)) or not 0 < density <= 1:
+            raise ValueError(f"{self.name}: density must be in (0, 1], got {density!r}")
+        for d in warmup_densities:
+            if not isinstance(d, (int, float)) or isinstance(d, bool) or not 0 < d <= 1:
+                raise ValueError(f"{self.name}: every warmup_densities entry must be in (0, 1], got {d!r}")
         if warmup_steps_per_stage < 0:
             raise ValueError(f"{self.name}: warmup_steps_per_stage must be >= 0, got {warmup_steps_per_stage}")
         if not 0 <= momentum_correction < 1:

@@ -285,7 +285,7 @@ def _progress(done, total, label, width=30):
     sys.stderr.flush()
 
 
-def launch(cfg, config_path, network, world_size, result_path, total, done_before):
+def launch(cfg, config_path, network, world_size, result_path, total):
     """Start ``world_size`` workers for one network condition; wait, showing progress."""
     from . import netem
 
@@ -313,7 +313,7 @@ def launch(cfg, config_path, network, world_size, result_path, total, done_befor
         deadline = time.monotonic() + cfg["timeout_s"] * 2
         while any(p.poll() is None for p in procs):
             cells = _count_cells(result_path)
-            _progress(done_before + cells, total, f"{network} P={world_size}")
+            _progress(cells, total, f"{network} P={world_size}")  # the file holds every launch's cells
             failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 for p in procs:
@@ -519,12 +519,10 @@ def main(argv=None):
             os.unlink(path)
         per_launch = len(cfg["models"]) * len(cfg["algorithms"])
         total = per_launch * len(networks) * len(cfg["world_sizes"])
-        done = 0
         t0 = time.monotonic()
         for network in networks:
             for P in cfg["world_sizes"]:
-                launch(cfg, args.config, network, P, path, total, done)
-                done += per_launch
+                launch(cfg, args.config, network, P, path, total)
         _progress(total, total, f"done in {time.monotonic() - t0:.0f} s")
         sys.stderr.write("\n")
         records = _read(path)

@@ -10,6 +10,7 @@
 """
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -17,6 +18,20 @@ import yaml
 from .algorithm import Algorithm, build
 
 TOP_LEVEL_KEYS = ("algorithm", "bucket_size_mb")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``; users write both)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                  |[-+]?\.(?:inf|Inf|INF)
+                  |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
 
 
 @dataclass
@@ -58,7 +73,7 @@ def config_from_dict(data, source="<dict>") -> Config:
 
 def parse_config(text: str) -> Config:
     """Parse and validate a YAML string."""
-    return config_from_dict(yaml.safe_load(text), "<string>")
+    return config_from_dict(yaml.load(text, Loader=_Loader), "<string>")
 
 
 def load_config(path) -> Config:
@@ -67,4 +82,4 @@ def load_config(path) -> Config:
     if not os.path.exists(path):
         raise FileNotFoundError(f"config: no such file {path!r}")
     with open(path) as f:
-        return config_from_dict(yaml.safe_load(f), path)
+        return config_from_dict(yaml.load(f, Loader=_Loader), path)

@@ -100,7 +100,19 @@ class DistributedModel(torch.nn.Module):
     # ---- user-facing ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         self.algorithm.before_forward()
-        return self.module(*args, **kwargs)
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled() and self._sync_enabled:
+            # Arm the end-of-backward callback as soon as backward reaches the output, so a rank whose
+            # parameters get no gradient at all still runs every bucket (and its peers do not hang).
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._on_output_grad)
+        return out
+
+    def _on_output_grad(self, grad):
+        if self._sync_enabled and self.algorithm.sync_gradients():
+            self._start_backward()
+        return grad
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -140,15 +152,18 @@ class DistributedModel(torch.nn.Module):
     def _on_grad_ready(self, p):
         if not self._sync_enabled or not self.algorithm.sync_gradients():
             return
-        if not self._backward_active:
-            self._backward_active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._start_backward()
         bi, j = self._slot[p]
         self._hand_over(self.buckets[bi], j, p)
         if not self._marked[bi][j]:
             self._marked[bi][j] = True
             self._ready[bi] += 1
         self._submit_ready()
+
+    def _start_backward(self):
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _hand_over(self, b, j, p):
         """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot."""

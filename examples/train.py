@@ -1,6 +1,6 @@
 """Train a small MLP on scikit-learn's digits with any bagua_lite algorithm, under torchrun.
 
-    torchrun --nproc_per_node 4 examples/train.py --config configs/gtopk.yaml --epochs 15
+    torchrun --nproc_per_node 4 examples/train.py --config configs/gtopk.yaml --epochs 20
 
 Each rank trains on its own shard; rank 0 prints the final loss and held-out accuracy.
 """
@@ -16,7 +16,7 @@ from bagua_lite.demo import train_digits
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--epochs", type=int, default=15)
+    ap.add_argument("--epochs", type=int, default=20)
     args = ap.parse_args()
     cfg = bagua_lite.load_config(args.config)  # validated before any process-group traffic
     dist.init_process_group("gloo")

@@ -129,7 +129,7 @@ def _sha(t):
 
 
 def _max_diff(a, b):
-    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def _sgd(module, lr=0.05, momentum=0.9):
@@ -670,7 +670,7 @@ def test_misspelled_keys_suggest_nearest(text, pattern):
     ("algorithm:\n  name: gtopk\n  density: 1.5\n", ValueError, r"density must be in \(0, 1\], got 1.5"),
     ("algorithm:\n  name: topk\n  density: -0.1\n", ValueError, r"density must be in \(0, 1\]"),
     ("algorithm:\n  name: gtopk\n  density: 0.01\n  warmup_densities: [0.5, 2.0]\n", ValueError,
-     r"density must be in \(0, 1\], got 2.0"),
+     r"every warmup_densities entry must be in \(0, 1\], got 2.0"),
     ("algorithm:\n  name: gtopk\n  warmup_steps_per_stage: -1\n", ValueError, r"warmup_steps_per_stage must be >= 0"),
     ("algorithm:\n  name: topk\n  momentum_correction: 1.0\n", ValueError, r"momentum_correction must be in \[0, 1\)"),
     ("algorithm:\n  name: local_sgd\n  period: -2\n", ValueError, r"period must be >= 1, got -2"),
@@ -725,3 +725,43 @@ def test_load_config_of_every_shipped_config_and_missing_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("algorithm:\n  name: topk\n  dens1ty: 0.1\n")
     _raises(ValueError, r"unknown option 'dens1ty'.*did you mean 'density'", bagua_lite.load_config, str(bad))
+
+
+def test_yaml_exponent_floats_are_floats():
+    # YAML 1.1 reads 1e-3 as a string; our loader reads it as the float users mean.
+    cfg = bagua_lite.parse_config("algorithm:\n  name: gtopk\n  density: 1e-3\nbucket_size_mb: 2.5e1\n")
+    assert cfg.algorithm.density == 0.001 and cfg.bucket_size_mb == 25.0
+
+
+class Skippable(torch.nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(D_IN, CLASSES)
+
+    def forward(self, x, skip):
+        return x[:, :CLASSES] * 2.0 if skip else self.lin(x)
+
+
+def _r_rank_without_gradients(rank, P):
+    """On rank 1 the output depends on the input only: none of its parameters gets a gradient. It must
+    still run every bucket (with zeros), so rank 0's collectives complete instead of hanging."""
+    net = Skippable()
+    opt = _sgd(net, momentum=0.0)
+    model = bagua_lite.DistributedModel(net, opt, algorithm="gradient_allreduce", bucket_size_mb=0.001)
+    x, y = _batch(rank, 0)
+    x.requires_grad_(True)
+    torch.nn.functional.cross_entropy(model(x, skip=(rank == 1)), y).backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    # the reference: rank 0's own gradient, averaged with rank 1's zeros
+    ref = Skippable()
+    x0, y0 = _batch(0, 0)
+    torch.nn.functional.cross_entropy(ref(x0, skip=False), y0).backward()
+    model.close()
+    return [float((g - r.grad / P).abs().max()) for g, r in zip(grads, ref.parameters())]
+
+
+def test_rank_whose_parameters_get_no_gradient_does_not_hang(clusters):
+    res = clusters.get(2).run(_r_rank_without_gradients, timeout=60)
+    for rank_diffs in res:
+        assert max(rank_diffs) < 1e-6, res
