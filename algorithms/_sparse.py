@@ -50,6 +50,17 @@ class ErrorFeedbackSparsifier(Algorithm):
         kmax = max(max(1, int(round(max([self.density] + self.warmup_densities) * b.numel))) for b in model.buckets)
         self._values = torch.empty(kmax, dtype=model.buckets[0].dtype)
         self._indices = torch.empty(kmax, dtype=torch.int32)
+        # Between steps a bucket holds only the last sparse result; remembering where it wrote lets
+        # the next step clear k entries instead of the whole bucket (None: clear everything).
+        self._written = [None] * len(model.buckets)
+
+    def clear_result(self, flat, bucket_index):
+        """Zero the bucket cheaply: only the entries the previous step's result wrote."""
+        prev = self._written[bucket_index]
+        if prev is None:
+            flat.zero_()
+        else:
+            kernels.ef_remove_(flat, prev)
 
     def on_gradient(self, bucket, position, grad):
         """Error feedback straight from autograd: acc += g (or u <- m*u + g; acc += u), one pass, no copy
@@ -58,6 +69,10 @@ class ErrorFeedbackSparsifier(Algorithm):
         hi = lo + bucket.params[position].numel()
         acc = self.residuals[bucket.index][lo:hi]
         g = None if grad is None else grad.reshape(-1)
+        if grad is not None and grad.data_ptr() == bucket.view(position).data_ptr():
+            # autograd accumulated into the bucket slot itself (no_sync with zero_grad(set_to_none=False)):
+            # after it is added below, the slot no longer holds only last step's sparse result.
+            self._written[bucket.index] = None
         if self.momentum_correction:
             u = self.momenta[bucket.index][lo:hi]
             u.mul_(self.momentum_correction)
@@ -73,15 +88,15 @@ class ErrorFeedbackSparsifier(Algorithm):
             k = self.k_for(b)
             values, indices = self._values[:k], self._indices[:k]
             kernels.topk_out(acc, k, values, indices)
-            sent = self.aggregate(values, indices, acc, flat)
+            sent = self.aggregate(values, indices, acc, flat, b)
             if self.momentum_correction:
                 kernels.ef_remove_(self.momenta[b.index], sent)
         sparsify_and_aggregate.__name__ = f"{self.name}_bucket{bucket.index}"
         return [sparsify_and_aggregate]
 
-    def aggregate(self, values, indices, acc, flat) -> torch.Tensor:
-        """Exchange the selection, write the averaged sparse gradient into ``flat``, remove what was
-        sent from ``acc`` (it stays as the residual); return the indices removed."""
+    def aggregate(self, values, indices, acc, flat, bucket) -> torch.Tensor:
+        """Exchange the selection, write the averaged sparse gradient into ``flat`` (``clear_result``
+        first), remove what was sent from ``acc`` (it stays as the residual); return the indices removed."""
         raise NotImplementedError
 
     def state_dict(self):

@@ -26,11 +26,12 @@ class GTopK(ErrorFeedbackSparsifier):
         super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction)
         self.exact = exact
 
-    def aggregate(self, values, indices, acc, flat):
+    def aggregate(self, values, indices, acc, flat, bucket):
         k = values.numel()
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact)
         sent = g_indices[torch.isin(g_indices, indices)]  # exact or not: only what this rank sent
         kernels.ef_remove_(acc, sent)
-        flat.zero_()
+        self.clear_result(flat, bucket.index)           # k entries, not the whole bucket
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
+        self._written[bucket.index] = g_indices
         return sent

@@ -11,7 +11,7 @@ from ._sparse import ErrorFeedbackSparsifier
 
 @register("topk")
 class TopK(ErrorFeedbackSparsifier):
-    def aggregate(self, values, indices, acc, flat):
+    def aggregate(self, values, indices, acc, flat, bucket):
         kernels.ef_remove_(acc, indices)                      # residual = acc minus what we send
         # dense sum of every rank's selection / P (pre-divided: k divisions instead of n), written into the
         # bucket; summed in rank order on every rank, so replicas stay identical
