@@ -143,12 +143,12 @@ class Workload:
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------
-def probe_network(group=None, sizes=(8, 1 << 16, 1 << 20, 1 << 22), repeats=10) -> Network:
+def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -> Network:
     """Measure alpha and beta by ping-pong between ranks 0 and 1 of ``group`` (collective: call on all ranks).
 
     For each size (bytes), ``repeats`` round trips after one warm-up; t(m) = median half round trip.
-    Fit ``t = alpha + beta * m`` by least squares weighted by 1/t (relative error, so the 8-byte
-    message sets alpha and the large ones set beta); alpha is clamped at 0 and beta kept > 0. The
+    Fit ``t = alpha + beta * m``: alpha from the 8-byte message, beta from the two largest (4 and
+    16 MB, past any rate limiter's burst); alpha is clamped at 0 and beta kept > 0. The
     other ranks wait in the broadcast that hands rank 0's fit to everyone, so all ranks return the
     same Network. One rank: ``Network(0, 0)``.
     """
@@ -186,22 +186,18 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 20, 1 << 22), repeats=10) 
 
 
 def _fit_alpha_beta(points):
-    """Weighted least squares of t = a + b m with weights 1/t^2; a >= 0, b > 0."""
-    w = [1.0 / max(t, 1e-12) ** 2 for _, t in points]
-    sw = sum(w)
-    sm = sum(wi * m for wi, (m, _) in zip(w, points))
-    st = sum(wi * t for wi, (_, t) in zip(w, points))
-    smm = sum(wi * m * m for wi, (m, _) in zip(w, points))
-    smt = sum(wi * m * t for wi, (m, t) in zip(w, points))
-    det = sw * smm - sm * sm
-    b = (sw * smt - sm * st) / det if det > 0 else 0.0
-    a = (st - b * sm) / sw
-    big_m, big_t = max(points)
+    """alpha from the smallest message, beta from the slope between the two largest.
+
+    A least-squares fit over all sizes lets the mid-sized messages set beta, and those can ride a
+    rate limiter's burst allowance (tc tbf) or a NIC's buffers at more than the sustained rate; the
+    largest messages are the ones that see the link's sustained bandwidth. a >= 0, b > 0.
+    """
+    points = sorted(points)
+    (m0, t0), (m1, t1), (m2, t2) = points[0], points[-2], points[-1]
+    b = (t2 - t1) / (m2 - m1) if m2 > m1 else 0.0
     if b <= 0:
-        b = big_t / big_m
-    if a < 0:  # refit the slope through the origin
-        a = 0.0
-        b = sum(wi * m * t for wi, (m, t) in zip(w, points)) / smm
+        b = t2 / m2
+    a = max(0.0, t0 - b * m0)
     return a, max(b, 1e-15)
 
 
