@@ -47,3 +47,16 @@ def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
                            str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "unknown key 'network'" in proc.stderr and "did you mean 'networks'" in proc.stderr
+
+
+def test_every_shipped_benchmark_config_validates():
+    import glob
+
+    from bagua_lite.benchmark import load_benchmark_config
+
+    paths = sorted(glob.glob(os.path.join(ROOT, "configs", "benchmark*.yaml")))
+    assert len(paths) >= 3
+    for p in paths:
+        cfg = load_benchmark_config(p)
+        names = [a["name"] for a in cfg["algorithms"]]
+        assert "ddp" in names, f"{p}: every benchmark measures DDP in the same run"
