@@ -50,8 +50,8 @@ class GradientAllReduce(Algorithm):
         if self.hierarchical:
             return [self._hierarchical_allreduce]
         if self.compression == "none":
-            return [self.comm.AllreduceOp(self.process_group, True)]
-        return [self.comm.CompressedAllreduceOp(self.process_group, self.compression, True)]
+            return [self.native.AllreduceOp(self.process_group, True)]
+        return [self.native.CompressedAllreduceOp(self.process_group, self.compression, True)]
 
     def _hierarchical_allreduce(self, flat):
         dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node

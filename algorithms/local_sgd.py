@@ -24,7 +24,7 @@ class LocalSGD(Algorithm):
         self.weights = FlatWeights(model._params)
 
     def bucket_ops(self, bucket):
-        return [self.comm.AllreduceOp(self.process_group, True)]
+        return [self.native.AllreduceOp(self.process_group, True)]
 
     def sync_gradients(self):
         return self.step < self.warmup_steps

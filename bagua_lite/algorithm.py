@@ -12,7 +12,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
 
         def bucket_ops(self, bucket):
             # ops run, in order, on the engine thread when the bucket's gradients are ready
-            return [lambda flat: flat.mul_(2), self.comm.AllreduceOp(self.process_group, average=True)]
+            return [lambda flat: flat.mul_(2), self.native.AllreduceOp(self.process_group, average=True)]
 
 Hooks, in the order of one training step:
 
@@ -94,7 +94,8 @@ class Algorithm:
         return self.model.world_size
 
     @property
-    def comm(self):
+    def native(self):
+        """The C++ core's native bucket ops (``AllreduceOp``, ``CompressedAllreduceOp``): GIL-free on the engine."""
         from . import _C
         return _C
 

@@ -29,8 +29,8 @@ struct GTopK {
   const int64_t k;
   const at::Device dev;
   // The current set (canonical), a received set, and merge scratch; all reused across rounds.
-  std::vector<T> sv, rv, mv;
-  std::vector<int32_t> si, ri, mi;
+  std::vector<T> sv, rv, mv, ov;
+  std::vector<int32_t> si, ri, mi, oi;
   std::vector<int64_t> order;
   int64_t count = 0;
 
@@ -61,12 +61,15 @@ struct GTopK {
   }
 
   void merge_received(int64_t n) {
-    std::vector<T> ov(std::min<int64_t>(k, count + n));
-    std::vector<int32_t> oi(ov.size());
+    // Merge into the spare buffers, then swap: the old set's storage becomes next round's spare.
+    ov.resize(std::min<int64_t>(k, count + n));
+    oi.resize(ov.size());
     count = kernels::merge_topk_raw<T>(sv.data(), si.data(), count, rv.data(), ri.data(), n, k, ov.data(),
                                        oi.data(), mv, mi, order);
     sv.swap(ov);
     si.swap(oi);
+    sv.resize(count);
+    si.resize(count);
   }
 };
 
