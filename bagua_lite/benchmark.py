@@ -501,7 +501,13 @@ def main(argv=None):
         if not args.worker:
             os.makedirs(args.out, exist_ok=True)
         worker_main(cfg, os.environ.get("BAGUA_LITE_BENCH_NETWORK", args.network), path)
-        if args.worker or int(os.environ["RANK"]) != 0:
+        if args.worker:
+            # Results are on disk and the group is destroyed. Skip interpreter teardown: destructors of
+            # leftover DDP/gloo objects at exit can abort a process whose work is already done.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if int(os.environ["RANK"]) != 0:
             return
         records = _read(path)
     else:

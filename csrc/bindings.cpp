@@ -28,6 +28,9 @@ class PyOp final : public eng::Op {
     name_ = py::str(py::getattr(*fn_, "__name__", py::str("python_op")));
   }
   ~PyOp() override {
+    // During interpreter shutdown a non-Python thread must not take the GIL (CPython would end the
+    // thread mid-destructor); the callable is leaked then, as the process is going away anyway.
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
     py::gil_scoped_acquire gil;
     delete fn_;
   }

@@ -31,7 +31,12 @@ void Engine::shutdown() {
     stop_ = true;
   }
   cv_work_.notify_all();
-  if (worker_.joinable() && worker_.get_id() != std::this_thread::get_id()) worker_.join();
+  if (worker_.joinable()) worker_.join();
+  std::vector<OpPtr> finished;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finished.swap(finished_ops_);
+  }
 }
 
 void Engine::submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops) {
@@ -46,6 +51,11 @@ void Engine::submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops
 void Engine::wait_all() {
   std::unique_lock<std::mutex> lock(mu_);
   cv_idle_.wait(lock, [this] { return in_flight_ == 0; });
+  std::vector<OpPtr> finished;
+  finished.swap(finished_ops_);
+  lock.unlock();
+  finished.clear();  // on the waiting thread (see loop())
+  lock.lock();
   if (error_) {
     auto err = error_;
     auto where = error_where_;
@@ -100,12 +110,14 @@ void Engine::loop() {
       }
     }
     const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    task.ops.clear();  // release ops (and any Python objects they hold) before signalling
+    // Ops are released by the thread that waits (wait_all/shutdown), never here: an op may hold the
+    // last reference to Python objects that own this engine, and the engine must not end on its own thread.
     task.bucket = at::Tensor();
     {
       std::lock_guard<std::mutex> lock(mu_);
       stats_.buckets_done += 1;
       stats_.busy_seconds += dt;
+      for (auto& op : task.ops) finished_ops_.push_back(std::move(op));
       --in_flight_;
     }
     cv_idle_.notify_all();

@@ -90,6 +90,7 @@ class Engine {
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_idle_;
   std::deque<Task> queue_;
+  std::vector<OpPtr> finished_ops_;  // ops of finished buckets, released by the waiting thread
   int64_t in_flight_ = 0;
   bool stop_ = false;
   std::exception_ptr error_;
