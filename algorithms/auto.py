@@ -3,8 +3,8 @@
     set-up:                 network <- probe_network()  (ping-pong between ranks 0 and 1; or the
                                                          ``network`` option, e.g. an emulated link)
                             machine <- calibrate_machine()  (topk, quantize, fp16, add per element)
-    steps 1..probe_steps:   dense gradient_allreduce; compute <- wall(forward .. optimizer.step)
-                                                               - time waiting for communication
+    steps 1..probe_steps:   dense SGD, gradients allreduced after backward (not overlapped);
+                            compute <- wall(forward .. optimizer.step) - time in communication
     after the probe:        inputs <- max over ranks            (one decision on every rank)
                             pick   <- cost_model.choose(candidates, P, workload, network, machine)
                             log one line: the pick, every candidate's predicted s/step, the inputs
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, cost_model
+from bagua_lite import _C, comm, cost_model
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
 log = logging.getLogger("bagua_lite")
@@ -82,6 +82,7 @@ class Auto(Algorithm):
         self._ops = []
         self._t0 = None
         self._probe_compute = []
+        self._probe_comm_s = 0.0
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def init(self, model):
@@ -97,7 +98,11 @@ class Auto(Algorithm):
         if self.probe_steps == 0:
             self._decide(float(self.compute_option))
         else:
+            # Probe steps are exact dense SGD with the allreduce *after* backward, not overlapped with it,
+            # so the compute time is measured clean (overlapped communication would slow backward down
+            # by an amount that depends on the network being probed).
             self._delegate_to("gradient_allreduce", {})
+            self._ops = [[] for _ in model.buckets]
 
     def bucket_ops(self, bucket):
         def auto_dispatch(flat, i=bucket.index):
@@ -105,6 +110,10 @@ class Auto(Algorithm):
                 op(flat)
         auto_dispatch.__name__ = f"auto_bucket{bucket.index}"
         return [auto_dispatch]
+
+    @property
+    def cycle(self):
+        return self.delegate.cycle if self.delegate is not None else 1
 
     # ---- per step: delegate --------------------------------------------------------------------------------
     def sync_gradients(self):
@@ -122,6 +131,11 @@ class Auto(Algorithm):
 
     def after_backward(self):
         self._sync_step()
+        if self.picked is None:
+            t0 = time.perf_counter()
+            for b in self.model.buckets:
+                comm.allreduce(b.flat, "avg", group=self.process_group)
+            self._probe_comm_s += time.perf_counter() - t0
         self.delegate.after_backward()
 
     def after_step(self):
@@ -132,7 +146,9 @@ class Auto(Algorithm):
         if self._t0 is not None:
             t0, wait0 = self._t0
             wall = time.perf_counter() - t0
-            self._probe_compute.append(max(0.0, wall - (self.model.timings["backward_wait_s"] - wait0)))
+            waited = self.model.timings["backward_wait_s"] - wait0 + self._probe_comm_s
+            self._probe_compute.append(max(0.0, wall - waited))
+            self._probe_comm_s = 0.0
             self._t0 = None
         if self.step >= self.probe_steps:
             measured = min(self._probe_compute) if self._probe_compute else 0.0

@@ -27,6 +27,10 @@ class Decentralized(Algorithm):
         self.communication_interval = communication_interval
         self.exchanges = 0
 
+    @property
+    def cycle(self):
+        return self.communication_interval
+
     def init(self, model):
         self.weights = FlatWeights(model._params)
 

@@ -20,6 +20,11 @@ class LocalSGD(Algorithm):
         self.period = period
         self.warmup_steps = warmup_steps
 
+    @property
+    def cycle(self):
+        # warm-up steps are dense, then one weight average every `period` steps
+        return 1 if self.step < self.warmup_steps else self.period
+
     def init(self, model):
         self.weights = FlatWeights(model._params)
 

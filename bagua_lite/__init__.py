@@ -1,9 +1,10 @@
 """bagua_lite: communication relaxations for data-parallel PyTorch training on slow networks."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import comm, kernels  # noqa: F401
+from . import comm, kernels, runtime  # noqa: F401
 from .algorithm import Algorithm, register  # noqa: F401
 from .config import Config, load_config, parse_config  # noqa: F401
 from .distributed import DistributedModel  # noqa: F401
+from .runtime import tune_cpu_allocator  # noqa: F401
 
 __version__ = "0.1.0"

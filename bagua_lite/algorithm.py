@@ -25,6 +25,9 @@ Hooks, in the order of one training step:
 ``after_backward()``       after all buckets of a synchronised backward finished
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
 ``state_dict()`` / ``load_state_dict()``  the algorithm's own state (residuals, counters)
+``cycle``                  how many steps its communication pattern takes to repeat (1 for most; a
+                           periodic relaxation such as local SGD returns its period). Timing an average
+                           step means averaging over whole cycles; the benchmark does.
 """
 import inspect
 from typing import Dict, List, Type
@@ -63,6 +66,11 @@ class Algorithm:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             view.copy_(grad)
+
+    @property
+    def cycle(self) -> int:
+        """Steps after which the per-step communication pattern repeats (1: every step is alike)."""
+        return 1
 
     def sync_gradients(self) -> bool:
         """Whether the gradients of the current step are communicated (must be the same on all ranks)."""

@@ -167,7 +167,17 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     loss_fn = torch.nn.CrossEntropyLoss()
     times, losses, waits, busy, sent, tx = [], [], [], [], [], []
-    for step, (x, y) in enumerate(batches):
+    warm = cfg["warmup_steps"]
+    cycle, measure = 1, cfg["steps"]
+    step = 0
+    while step < warm + measure:
+        if step == warm and ours:
+            # A periodic relaxation (local SGD, decentralized with an interval) is timed over whole
+            # cycles, at least two; the summary averages within a cycle and takes the median across.
+            cycle = max(1, int(wrapper.algorithm.cycle))
+            measure = max(measure, 2 * cycle)
+            measure = -(-measure // cycle) * cycle
+        x, y = batches[step % len(batches)]
         dist.barrier()
         comm.reset_traffic()
         tx0 = _tx_bytes()
@@ -189,6 +199,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
             sent.append(comm.bytes_sent())
             tx1 = _tx_bytes()
             tx.append(None if tx0 is None else tx1 - tx0)
+        step += 1
     picked = None
     if ours:
         picked = getattr(wrapper.algorithm, "picked", None)
@@ -198,7 +209,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return {"times": t.tolist(), "loss": losses[-1] if losses else float("nan"), "waits": waits, "busy": busy,
-            "bytes": sent, "tx_bytes": tx, "picked": picked}
+            "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle}
 
 
 def _compute_floor(model_name, batches, cfg):
@@ -229,6 +240,9 @@ def worker_main(cfg, network, result_path):
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")))
+    from . import runtime
+    # Before anything is measured: the floor, the DDP baselines and our algorithms share one allocator.
+    tuned = runtime.tune_cpu_allocator()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     from . import cost_model
@@ -242,18 +256,22 @@ def worker_main(cfg, network, result_path):
                 f.write(json.dumps(record) + "\n")
 
     emit({"kind": "network", "network": network, "world_size": world, "alpha": net.alpha, "beta": net.beta,
-          "machine": machine.__dict__})
+          "machine": machine.__dict__, "malloc_tuned": tuned})
     for model_name in cfg["models"]:
         _, shape = make_model(model_name)
         numel = sum(p.numel() for p in make_model(model_name)[0].parameters())
         batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["steps"], rank)
         floor = _compute_floor(model_name, batches, cfg)
+        # The buckets DistributedModel will make (gradient-ready order: parameters reversed).
+        from .bucket import plan_buckets
+        params = list(make_model(model_name)[0].parameters())
+        bucket_numels = [sum(p.numel() for p in b)
+                         for b in plan_buckets(params[::-1], int(cfg["bucket_size_mb"] * 2 ** 20))]
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
-              "step_s": floor})
+              "step_s": floor, "bucket_numels": bucket_numels})
         for cell in cfg["algorithms"]:
             res = _run_cell(cell, cfg, model_name, batches, rank, world)
-            work = cost_model.Workload(numel=numel, compute_s=floor,
-                                       n_buckets=max(1, int(numel * 4 / (cfg["bucket_size_mb"] * 2 ** 20)) + 1))
+            work = cost_model.Workload(numel=numel, compute_s=floor, bucket_numels=bucket_numels)
             try:
                 pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
             except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
@@ -342,21 +360,35 @@ def _read(path):
 
 
 # ---- analysis and output ---------------------------------------------------------------------------------------
+def cycle_median(values, cycle=1):
+    """Median over whole cycles of the per-cycle mean: a per-step figure that counts a periodic
+    algorithm's communication step (a plain per-step median would drop it as an outlier)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    cycle = max(1, int(cycle))
+    if len(values) < cycle:
+        return statistics.fmean(values)
+    chunks = [values[i:i + cycle] for i in range(0, len(values) - cycle + 1, cycle)]
+    return statistics.median(statistics.fmean(ch) for ch in chunks)
+
+
 def summarize(records):
-    """Turn raw records into one row per cell with medians and ratios."""
+    """Turn raw records into one row per cell with medians (over whole cycles) and ratios."""
     cells = [r for r in records if r["kind"] == "cell"]
     rows = []
     for c in cells:
-        step = statistics.median(c["times"])
+        cyc = c.get("cycle", 1)
+        step = cycle_median(c["times"], cyc)
         world = c["world_size"]
         ddp = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
                and d["world_size"] == world and d["model"] == c["model"]]
-        ddp_step = statistics.median(ddp[0]["times"]) if ddp else None
-        wait = statistics.median(c["waits"]) if c["waits"] else None
-        busy = statistics.median(c["busy"]) if c["busy"] else None
+        ddp_step = cycle_median(ddp[0]["times"], ddp[0].get("cycle", 1)) if ddp else None
+        wait = cycle_median(c["waits"], cyc) if c["waits"] else None
+        busy = cycle_median(c["busy"], cyc) if c["busy"] else None
         tx = [b for b in c["tx_bytes"] if b is not None]
         # bagua_lite's own counter sees our collectives only; DDP's bytes show on emulated links' counters.
-        counted = statistics.median(c["bytes"]) if c["bytes"] and c["algorithm"] not in BASELINES else None
+        counted = cycle_median(c["bytes"], cyc) if c["bytes"] and c["algorithm"] not in BASELINES else None
         comm_s = max(0.0, step - c["floor_s"])
         hidden = None
         if busy:
@@ -368,7 +400,7 @@ def summarize(records):
             "name": c["algorithm"], "step_s": step, "samples_per_s": world * c["batch_size"] / step,
             "speedup_vs_ddp": (ddp_step / step) if ddp_step else None, "floor_s": c["floor_s"],
             "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
-            "bytes_per_step_counted": counted, "bytes_per_step_wire": statistics.median(tx) if tx else None,
+            "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(tx, cyc) if tx else None,
             "final_loss": c["loss"], "predicted_step_s": pred_step,
             "prediction_error": (abs(pred_step - step) / step) if pred_step else None,
             "picked": c.get("picked"),
@@ -431,7 +463,7 @@ def projection_report(records, world_sizes, out=sys.stdout):
         nr = nets[(network, P)]
         net = cost_model.Network(alpha=nr["alpha"], beta=nr["beta"])
         machine = cost_model.Machine(**nr["machine"])
-        work = cost_model.Workload(numel=fl["numel"], compute_s=fl["step_s"])
+        work = cost_model.Workload(numel=fl["numel"], compute_s=fl["step_s"], bucket_numels=fl.get("bucket_numels"))
         cands = [(n, o) for n, o in algs.values() if n in cost_model.PREDICTABLE]
         proj = cost_model.project(cands, world_sizes, work, net, machine)
         print(f"\nprojection for {model} on {network} (alpha={net.alpha * 1e6:.1f} us, "
@@ -534,6 +566,10 @@ def main(argv=None):
         records = _read(path)
     rows = summarize(records)
     print_table(rows)
+    tuned = {r.get("malloc_tuned") for r in records if r["kind"] == "network"}
+    print("allocator: " + ("malloc keeps freed blocks for reuse (bagua_lite.tune_cpu_allocator) in every worker, "
+                           "so the floor, DDP and our algorithms share it" if tuned == {True} else
+                           "glibc defaults (BAGUA_LITE_TUNE_MALLOC=0 or no mallopt)"))
     auto_report(rows)
     measured_err = [r["prediction_error"] for r in rows if r["prediction_error"] is not None]
     if measured_err:

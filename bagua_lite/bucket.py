@@ -45,13 +45,18 @@ class Bucket:
 def plan_buckets(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[List[torch.nn.Parameter]]:
     """Split parameters (given in the order gradients become ready) into buckets of ~``bucket_bytes``.
 
-    A bucket closes when adding the next parameter would exceed the cap (a parameter larger than the
-    cap gets a bucket of its own) or when dtype/device change.
+    A bucket closes when adding the next parameter would exceed the cap, or when dtype/device change.
+    A bucket still smaller than a quarter of the cap does not close: its small leftovers (biases
+    between large weights, say) join the next parameter rather than travel alone, because every bucket
+    costs a collective's latency and a sync point. So a parameter larger than the cap gets a bucket of
+    its own plus, at most, a quarter-cap of small neighbours ready before it.
     """
+    small = bucket_bytes // 4
     buckets, cur, cur_bytes = [], [], 0
     for p in params:
         nb = p.numel() * p.element_size()
-        if cur and (cur_bytes + nb > bucket_bytes or p.dtype != cur[0].dtype or p.device != cur[0].device):
+        if cur and (p.dtype != cur[0].dtype or p.device != cur[0].device
+                    or (cur_bytes + nb > bucket_bytes and cur_bytes >= small)):
             buckets.append(cur)
             cur, cur_bytes = [], 0
         cur.append(p)

@@ -20,7 +20,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-from . import _C, comm
+from . import _C, comm, runtime
 from ._groups import resolve_group
 from .algorithm import Algorithm, build
 from .bucket import Bucket, plan_buckets
@@ -76,6 +76,8 @@ class DistributedModel(torch.nn.Module):
 
         # Buckets in the order gradients become ready: reverse registration order.
         self._params = [p for p in module.parameters() if p.requires_grad]
+        if any(p.device.type == "cpu" for p in self._params):
+            runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
         plan = plan_buckets(list(reversed(self._params)), int(self.bucket_size_mb * 2 ** 20))
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan)]
         self._slot = {}  # param -> (bucket index, position)

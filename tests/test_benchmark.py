@@ -20,7 +20,7 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     assert "s/step" in text and "vs DDP" in text
     rows = json.loads((out / "results.json").read_text())["rows"]
     names = [r["name"] for r in rows]
-    assert names == ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "gtopk", "topk"]
+    assert names == ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "gtopk", "topk", "local_sgd"]
     ddp = rows[0]
     assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
     for r in rows:
@@ -32,6 +32,10 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     numel = 256 * 512 + 512 + 512 * 10 + 10
     assert dense["bytes_per_step_counted"] == pytest.approx(2 * (2 - 1) * numel * 4 / 2, rel=1e-6)
     assert 0 < gtopk["bytes_per_step_counted"] < dense["bytes_per_step_counted"] / 10
+    # local SGD averages the weights every 2nd step: timed over whole periods, so its figure per step
+    # is half a dense allreduce (a per-step median would have hidden the averaging step and said 0)
+    local = next(r for r in rows if r["name"] == "local_sgd")
+    assert local["bytes_per_step_counted"] == pytest.approx(dense["bytes_per_step_counted"] / 2, rel=1e-6)
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert (out / "throughput.png").stat().st_size > 1000
@@ -60,3 +64,13 @@ def test_every_shipped_benchmark_config_validates():
         cfg = load_benchmark_config(p)
         names = [a["name"] for a in cfg["algorithms"]]
         assert "ddp" in names, f"{p}: every benchmark measures DDP in the same run"
+
+
+def test_cycle_median_counts_the_periodic_step():
+    from bagua_lite.benchmark import cycle_median
+    # period 4: one expensive averaging step per cycle must show in the per-step figure
+    times = [0.2, 2.2, 0.2, 0.2, 0.2, 1.8, 0.2, 0.2]
+    assert cycle_median(times, 4) == pytest.approx((0.6 + 2.2 + 0.6 + 1.8) / 8)
+    assert cycle_median(times, 1) == pytest.approx(0.2)  # the plain median drops it
+    assert cycle_median([1.0, 3.0], 4) == pytest.approx(2.0)  # shorter than a cycle: the mean
+    assert cycle_median([None, 1.0, 2.0, 9.0]) == 2.0 and cycle_median([]) is None

@@ -159,7 +159,7 @@ def _r_ddp_equivalence(rank, P):
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     ddp, opt_a = _ddp(a), _sgd(a)
     opt_b = _sgd(b)
-    model = bagua_lite.DistributedModel(b, opt_b, "gradient_allreduce", bucket_size_mb=0.01)
+    model = bagua_lite.DistributedModel(b, opt_b, "gradient_allreduce", bucket_size_mb=0.004)
     out["buckets"] = len(model.buckets)
     start = _flat(b)
     for s in range(20):
@@ -765,3 +765,73 @@ def test_rank_whose_parameters_get_no_gradient_does_not_hang(clusters):
     res = clusters.get(2).run(_r_rank_without_gradients, timeout=60)
     for rank_diffs in res:
         assert max(rank_diffs) < 1e-6, res
+
+
+# ---------------------------------------------------------------------------------------------------------
+# local: bucket planning, periodic algorithms' cycle, allocator tuning
+
+
+def test_plan_buckets_small_leftovers_join_the_next_parameter():
+    from bagua_lite.bucket import plan_buckets
+    sizes = lambda plan: [[p.numel() for p in b] for b in plan]  # noqa: E731
+    P = lambda n: torch.nn.Parameter(torch.zeros(n))  # noqa: E731
+    cap = 1000 * 4  # bytes: 1000 floats
+    # a bias (10) between two oversized weights travels with the next weight, not alone
+    ps = [P(2000), P(10), P(2000), P(10), P(2000)]
+    assert sizes(plan_buckets(ps, cap)) == [[2000], [10, 2000], [10, 2000]]
+    # a bucket past a quarter of the cap closes as before when the next one would not fit
+    ps = [P(300), P(800), P(100), P(100)]
+    assert sizes(plan_buckets(ps, cap)) == [[300], [800, 100, 100]]
+    ps = [P(200), P(800), P(500)]
+    assert sizes(plan_buckets(ps, cap)) == [[200, 800], [500]]
+    # dtype changes always split
+    ps = [P(10), torch.nn.Parameter(torch.zeros(10, dtype=torch.float64))]
+    assert sizes(plan_buckets(ps, cap)) == [[10], [10]]
+
+
+def test_cycle_of_periodic_algorithms():
+    from bagua_lite.algorithms import build
+    assert build("gradient_allreduce").cycle == 1 and build("gtopk").cycle == 1
+    assert build("decentralized", communication_interval=3).cycle == 3
+    a = build("local_sgd", period=4, warmup_steps=2)
+    assert a.cycle == 1  # dense warm-up steps
+    a.step = 2
+    assert a.cycle == 4
+
+
+_ALLOC_PROBE = """
+import resource, torch, bagua_lite
+print(bagua_lite.tune_cpu_allocator(), bagua_lite.tune_cpu_allocator())
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def step():  # a training step's pattern: gradient-sized blocks (above glibc's 32 MiB) made and freed
+    a, b = torch.empty(16 << 20), torch.empty(16 << 20)
+    a.fill_(1.0); b.fill_(2.0)
+    del a, b
+    c = torch.empty(9 << 20)
+    c.fill_(3.0)
+    del c
+step(); step()
+before = faults()
+for _ in range(4):
+    step()
+print((faults() - before) / (4 * (164 << 20) // 4096))  # share of the touched pages that were fresh
+"""
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tune_cpu_allocator_reuses_large_blocks(enabled):
+    import subprocess
+    import sys
+    env = dict(os.environ, BAGUA_LITE_TUNE_MALLOC="1" if enabled else "0")
+    out = subprocess.run([sys.executable, "-c", _ALLOC_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flags, fresh = out.stdout.split("\n")[:2]
+    fresh = float(fresh)
+    if enabled:
+        # glibc still hands back some blocks (0.2-0.6 measured), never all of them
+        assert flags == "True True"
+        assert fresh < 0.75, f"freed blocks were not reused: {fresh:.0%} of the pages were fresh"
+    else:
+        assert flags == "False False"
+        assert fresh > 0.9, f"expected fresh pages every step without tuning, got {fresh:.0%}"
