@@ -159,7 +159,7 @@ class Auto(Algorithm):
         model = self.model
         m = self.machine
         fields = ["topk_s_per_elem", "quantize_s_per_elem", "fp16_s_per_elem", "add_s_per_elem",
-                  "merge_s_per_elem", "matmul_s_per_flop"]
+                  "merge_s_per_elem", "matmul_s_per_flop", "cores_per_rank"]
         inputs = torch.tensor([compute_s] + [getattr(m, f) for f in fields], dtype=torch.float64)
         if model.world_size > 1:  # the slowest rank sets the pace; and every rank decides on equal inputs
             dist.all_reduce(inputs, op=dist.ReduceOp.MAX, group=model.process_group)
@@ -191,12 +191,15 @@ class Auto(Algorithm):
         if fastest != i:
             why = (f"; within {self.tolerance:.0%} of the fastest, {labels[fastest]} "
                    f"{preds[fastest]['step_s']:.3g}, and listed earlier")
+        probes = ""
+        if self._probe_compute:
+            probes = " (this rank's probe steps: " + ", ".join(f"{c:.3g}" for c in self._probe_compute) + " s)"
         net = self.network
         gbit = f"{8 / net.beta / 1e9:.3g} Gbit/s" if net.beta > 0 else "inf Gbit/s"
         return (f"bagua_lite auto: picked {labels[i]}: predicted {preds[i]['step_s']:.3g} s/step"
                 + (f" vs {others}" if others else "") + why
                 + f" (alpha={net.alpha:.3g} s, beta={net.beta:.3g} s/B = {gbit} {self.network_source}, "
-                  f"{_params(work.numel)} params, compute {work.compute_s:.3g} s, P={self.model.world_size})")
+                  f"{_params(work.numel)} params, compute {work.compute_s:.3g} s{probes}, P={self.model.world_size})")
 
     def _delegate_to(self, name, opts):
         d = build(name, **opts)

@@ -13,8 +13,11 @@ from ._sparse import ErrorFeedbackSparsifier
 class TopK(ErrorFeedbackSparsifier):
     def aggregate(self, values, indices, acc, flat, bucket):
         kernels.ef_remove_(acc, indices)                      # residual = acc minus what we send
-        # dense sum of every rank's selection / P (pre-divided: k divisions instead of n), written into the
-        # bucket; summed in rank order on every rank, so replicas stay identical
-        comm.sparse_allreduce(values.div_(self.world_size), indices, flat.numel(), group=self.process_group,
-                              out=flat)
+        # every rank's selection, pre-divided by P (k divisions instead of n), summed into the bucket in
+        # rank order on every rank (replicas stay identical); the bucket is cleared only where the previous
+        # step wrote, not memset whole
+        g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=self.process_group)
+        self.clear_result(flat, bucket.index)
+        kernels.scatter_add_(flat, g_values, g_indices)
+        self._written[bucket.index] = g_indices
         return indices

@@ -10,6 +10,7 @@ What travels, per call on P ranks (m = bytes of the tensor):
 ``allreduce``               dense ring allreduce: 2(P-1)/P * m per rank
 ``compressed_allreduce``    compressed chunks: all-to-all, then allgather of the reduced chunks
 ``sparse_allreduce``        one allgather of [k values][k int32 indices] per rank (TopKAllReduce)
+``sparse_allgather``        the same exchange, returning every rank's pairs instead of their sum
 ``gtopk_allreduce``         recursive doubling: log2(P) swaps of k (value, index) pairs
 ``peer_average``            point-to-point with one or two peers (or an allreduce for ``"all"``)
 ``broadcast``               the tensor from ``src`` to everyone
@@ -30,8 +31,8 @@ import torch
 from . import _C
 from ._groups import check_device, resolve_group
 
-__all__ = ["allreduce", "compressed_allreduce", "sparse_allreduce", "gtopk_allreduce", "peer_average",
-           "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
+__all__ = ["allreduce", "compressed_allreduce", "sparse_allreduce", "sparse_allgather", "gtopk_allreduce",
+           "peer_average", "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
 
 _OPS = ("avg", "sum")
 _COMPRESSIONS = ("fp16", "minmax_uint8")
@@ -81,6 +82,18 @@ def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, gr
     if not isinstance(numel, int) or isinstance(numel, bool):
         raise TypeError(f"bagua_lite.comm.sparse_allreduce: numel must be an int, got {type(numel).__name__}")
     return _C.sparse_allreduce(pg, values, indices, numel, out)
+
+
+def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's sparse (values, int32 indices), concatenated in rank order: the exchange of
+    :func:`sparse_allreduce` without the sum (ranks may hold different k; dtypes must match).
+
+    For a caller that keeps a dense result between steps: it scatters these itself (e.g.
+    ``kernels.scatter_add_``) and next time clears only these indices instead of the whole tensor.
+    """
+    pg = resolve_group(group, "sparse_allgather")
+    check_device(values, pg, "sparse_allgather", "values")
+    return _C.sparse_allgather(pg, values, indices)
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,

@@ -71,8 +71,10 @@ is ready when the share of parameters up to and including it has its gradients,
 ``ready_i = Tb * (n_0 + ... + n_i) / n``; one worker runs buckets in order, each taking
 ``e_i = local_i + comm_i``: ``finish_i = max(ready_i, finish_{i-1}) + e_i``. What sticks out after
 backward, ``exposed = max(0, finish_last - Tb)``, is paid; the rest is ``hidden_s``. So
-``step_s = compute_s + compression_s + comm_s - hidden_s``. (The worker is assumed to have a core of its
-own; on an oversubscribed machine hidden work still slows backward down.)
+``step_s = compute_s + compression_s + comm_s - hidden_s``. That needs a core for the engine thread
+next to autograd's: with ``Machine.cores_per_rank < 2`` (ranks share cores, as 4 ranks on 2 cores do)
+local work (compression, selection, error feedback) cannot hide; only waiting on the network can, and the
+pipeline runs over the communication times alone: ``exposed = compression_s + pipeline(comm_i)``.
 
 Local costs come from :class:`Machine` (per element, measured by :func:`calibrate_machine`).
 
@@ -85,6 +87,7 @@ Example::
     project([("gtopk", {"density": 0.001}), ("gradient_allreduce", {})], [16, 1024], work, net, mach)
 """
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -123,6 +126,7 @@ class Machine:
     add_s_per_elem: float         # a streaming add (error feedback, averaging)
     merge_s_per_elem: float = 0.0     # kernels.merge_topk, per input pair (0: taken as 4x topk)
     matmul_s_per_flop: float = 0.0    # a skinny (n x n) @ (n x 4) matmul, as PowerSGD runs (0: one pass)
+    cores_per_rank: float = 0.0       # CPU cores per rank on a host (0: unknown, taken as plenty)
 
 
 @dataclass
@@ -201,8 +205,21 @@ def _fit_alpha_beta(points):
     return a, max(b, 1e-15)
 
 
+def cores_per_rank(local_world_size: Optional[int] = None) -> float:
+    """CPU cores this process may use divided by the ranks on this host (``LOCAL_WORLD_SIZE``, as torchrun
+    and the benchmark set it; 1 when unset)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    if local_world_size is None:
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return cores / max(1, int(local_world_size))
+
+
 def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
-    """Time the local kernels on ``numel`` float32 elements (median of ``repeats``), per element."""
+    """Time the local kernels on ``numel`` float32 elements (median of ``repeats``), per element; and
+    :func:`cores_per_rank`."""
     import torch
 
     from . import kernels
@@ -236,7 +253,7 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
     Q = torch.randn(side, 4, generator=g)
     matmul = med(lambda: M @ Q) / (2.0 * side * side * 4)
     return Machine(topk_s_per_elem=topk, quantize_s_per_elem=quant, fp16_s_per_elem=fp16, add_s_per_elem=add,
-                   merge_s_per_elem=merge, matmul_s_per_flop=matmul)
+                   merge_s_per_elem=merge, matmul_s_per_flop=matmul, cores_per_rank=cores_per_rank())
 
 
 # ---- traffic ---------------------------------------------------------------------------------------------------
@@ -459,7 +476,10 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         _, lat, crit = _bucket_comm(algorithm, options, P, n, e, None)
         comms.append(lat * net.alpha + crit * net.beta)
         locals_.append(_local_s(algorithm, options, P, n, machine))
-    exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
+    if 0 < machine.cores_per_rank < 2:  # no spare core: local work adds to the step, waiting still hides
+        exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
+    else:
+        exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
     return _result(work, sum(locals_), sum(comms), exposed, bytes_per_rank(algorithm, options, P, numels, e))
 
 

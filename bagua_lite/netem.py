@@ -45,10 +45,10 @@ as fast as the CPUs allow.
 
 Latency
 -------
-The kernel here has no ``sch_netem``, so packet-level delay is not emulated. Instead ``latency_ms`` is
-passed to the workers through the environment (``delay_env()``, variable
-``BAGUA_LITE_EMULATED_LATENCY_MS``); a worker calls ``emulated_latency_s()`` and sleeps that long once per
-collective message it sends (one-way latency, added on top of the transfer time that tbf enforces).
+Not emulated. The kernel here has no ``sch_netem``, and a delay added in one framework's own sends
+(a sleep per message) would not slow the DDP baselines' traffic, which would make the comparison
+unfair, so the emulated links only limit the rate. The links' real latency (veth + bridge, some tens of
+microseconds) is what the cost model's alpha measures; the projections take alpha as a parameter.
 
 Self-check: ``python -m bagua_lite.netem --selftest --rate 1gbit`` (as root) measures TCP throughput
 between two namespaces and the time of a gloo allreduce inside the namespaces, against plain loopback.
@@ -70,13 +70,11 @@ import time
 import warnings
 
 __all__ = ["EmulatedNetwork", "NetemError", "NETWORKS", "available", "parse_rate", "tbf_params",
-           "cleanup_stale", "emulated_latency_s", "LATENCY_ENV"]
+           "cleanup_stale"]
 
 #: Network names the benchmark configuration may use, mapped to the tbf rate (None: plain loopback).
 NETWORKS = {"loopback": None, "10gbit": "10gbit", "1gbit": "1gbit", "100mbit": "100mbit"}
 
-#: Environment variable carrying the emulated one-way latency (milliseconds) to the workers.
-LATENCY_ENV = "BAGUA_LITE_EMULATED_LATENCY_MS"
 
 ASSUMED_HZ = 250  # timer frequency used to size the token bucket (see module docstring)
 MIN_BURST_BYTES = 128 * 1024
@@ -115,15 +113,6 @@ def tbf_params(rate_bps: int) -> dict:
     """tbf arguments for a link of ``rate_bps``: rate, bucket size (burst) and queueing latency."""
     burst = max(rate_bps // 8 // ASSUMED_HZ, MIN_BURST_BYTES)
     return {"rate": f"{rate_bps}bit", "burst": burst, "latency": f"{TBF_LATENCY_MS}ms"}
-
-
-def emulated_latency_s() -> float:
-    """Worker side: the emulated one-way latency in seconds (0.0 when the variable is unset)."""
-    v = os.environ.get(LATENCY_ENV, "")
-    try:
-        return max(float(v), 0.0) / 1000.0 if v else 0.0
-    except ValueError:
-        raise ValueError(f"{LATENCY_ENV}={v!r} is not a number of milliseconds") from None
 
 
 def _run(cmd: list[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -214,20 +203,16 @@ _counter_lock = threading.Lock()
 class EmulatedNetwork:
     """Context manager: P network namespaces on a bridge, each link rate-limited with tc tbf.
 
-    ``rate`` is a tc rate (``"1gbit"``) or None for plain loopback (nothing is created). ``latency_ms`` is
-    not applied to packets (no netem); it is handed to the workers via ``delay_env()``.
+    ``rate`` is a tc rate (``"1gbit"``) or None for plain loopback (nothing is created).
     """
 
-    def __init__(self, world_size: int, rate: str | None, latency_ms: float = 0.0, prefix: str = "bl"):
+    def __init__(self, world_size: int, rate: str | None, prefix: str = "bl"):
         if not isinstance(world_size, int) or not 1 <= world_size <= 254:
             raise ValueError(f"world_size must be an int in 1..254, got {world_size!r}")
-        if latency_ms < 0:
-            raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
         _check_prefix(prefix)
         self.world_size = world_size
         self.rate = rate
         self.rate_bps = parse_rate(rate) if rate is not None else None
-        self.latency_ms = float(latency_ms)
         self.prefix = prefix
         with _counter_lock:
             k = next(_instance_counters.setdefault(prefix, itertools.count()))
@@ -274,13 +259,9 @@ class EmulatedNetwork:
         argv = list(argv)
         return ["ip", "netns", "exec", self.namespace(rank), *argv] if self.emulated else argv
 
-    def delay_env(self) -> dict:
-        """Environment for the workers: the emulated one-way latency (ms) they sleep per collective message."""
-        return {LATENCY_ENV: repr(self.latency_ms)}
-
     def env(self, rank: int) -> dict:
-        """Convenience: everything a worker of ``rank`` needs in its environment (gloo interface, delay)."""
-        return {"GLOO_SOCKET_IFNAME": self.interface(rank), **self.delay_env()}
+        """Convenience: what a worker of ``rank`` needs in its environment (the gloo interface)."""
+        return {"GLOO_SOCKET_IFNAME": self.interface(rank)}
 
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
@@ -288,7 +269,7 @@ class EmulatedNetwork:
 
     def __repr__(self):
         return (f"EmulatedNetwork(world_size={self.world_size}, rate={self.rate!r}, "
-                f"latency_ms={self.latency_ms}, tag={self.tag!r}, active={self._active})")
+                f"tag={self.tag!r}, active={self._active})")
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def __enter__(self) -> "EmulatedNetwork":

@@ -210,6 +210,11 @@ def _r_sparse(rank, P, seed):
             assert torch.allclose(out.double(), dense64, atol=1e-5)
             assert torch.equal(v, ins[rank][0]) and torch.equal(i, ins[rank][1])  # inputs untouched
             hashes[(str(dtype), case, numel)] = _sha(out)
+            # the same exchange without the sum: every rank's pairs, concatenated in rank order
+            gv, gi = C.sparse_allgather(v.clone(), i.clone())
+            assert gv.dtype == dtype and gi.dtype == torch.int32
+            assert torch.equal(gv, torch.cat([rv for rv, _ in ins])), (str(dtype), case, numel)
+            assert torch.equal(gi, torch.cat([ri for _, ri in ins])), (str(dtype), case, numel)
     return hashes
 
 
@@ -490,6 +495,10 @@ def _r_bad_args(rank, P, seed):
     e(_expect(VE, r"sparse_allreduce: index -1 at position 0 is out of range", C.sparse_allreduce, f32[:1],
               torch.tensor([-1], dtype=torch.int32), 7))
     e(_expect(VE, r"sparse_allreduce: numel must be >= 0, got -3", C.sparse_allreduce, f32, i32, -3))
+    e(_expect(VE, r"sparse_allgather: `values` has 8 elements but `indices` has 3", C.sparse_allgather, f32,
+              i32[:3]))
+    e(_expect(VE, r"sparse_allgather: index -1 at position 0 is out of range", C.sparse_allgather, f32[:1],
+              torch.tensor([-1], dtype=torch.int32)))
     e(_expect(TE, r"sparse_allreduce: numel must be an int, got float", C.sparse_allreduce, f32, i32, 8.0))
     # allreduce / compressed / peer / broadcast
     e(_expect(VE, r"allreduce: op='max' is not allowed; choose one of 'avg', 'sum'", C.allreduce, f32, op="max"))

@@ -27,6 +27,11 @@ void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::s
 at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
                             int64_t numel, std::optional<at::Tensor> out = std::nullopt);
 
+// The same exchange without the sum: every rank's pairs concatenated in rank order (sum of the ks long).
+// A caller that keeps its dense result between calls scatters these itself and later clears only them.
+std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
+                                                    const at::Tensor& indices);
+
 // Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,

@@ -3,6 +3,7 @@
 // Message: [k_max values][k_max int32 indices], padded to the largest k in the group, so a rank sends
 // (P-1) * k_max * (sizeof(value) + 4) bytes. A tiny allgather of (k, numel, dtype) comes first so that
 // ranks may hold different k and mismatched arguments fail with a clear error on every rank.
+// sparse_allgather is the same exchange returning the concatenated pairs (rank order) instead of the sum.
 #include <ATen/Dispatch.h>
 
 #include "collectives/collectives.h"
@@ -11,17 +12,13 @@
 namespace bagua_lite {
 namespace collectives {
 
-at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
-                            int64_t numel, std::optional<at::Tensor> out) {
-  if (out.has_value()) {
-    check_contiguous(*out, "sparse_allreduce", "out");
-    check_floating(*out, "sparse_allreduce", "out");
-    BL_CHECK(out->numel() == numel, "sparse_allreduce: `out` has ", out->numel(), " elements but numel=", numel);
-    BL_CHECK(out->device() == values.device(), "sparse_allreduce: `out` is on ", out->device(),
-             " but `values` is on ", values.device());
-  }
-  BL_CHECK(numel >= 0, "sparse_allreduce: numel must be >= 0, got ", numel);
-  kernels::check_sparse_args(values, indices, numel, "sparse_allreduce");
+namespace {
+
+// The exchange both entry points share: the meta allgather (k, numel, dtype of every rank, checked), then
+// one allgather of the packed blocks. Calls `each(r, values_r, indices_r)` in rank order.
+template <class Each>
+void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices, int64_t numel,
+                   const char* fn, std::vector<int64_t>& ks, Each each) {
   const int64_t P = pg->getSize(), me = pg->getRank();
   const auto dev = values.device();
   const int64_t elem = values.element_size();
@@ -34,18 +31,17 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
   auto m = metas.cpu();
   const int64_t* mp = m.const_data_ptr<int64_t>();
   int64_t kmax = 0;
+  ks.assign(P, 0);
   for (int64_t r = 0; r < P; ++r) {
-    BL_CHECK(mp[3 * r + 1] == numel, "sparse_allreduce: rank ", me, " has numel=", numel, " but rank ", r, " has ",
+    BL_CHECK(mp[3 * r + 1] == numel, fn, ": rank ", me, " has numel=", numel, " but rank ", r, " has ",
              mp[3 * r + 1], "; all ranks must pass the same numel");
-    BL_CHECK(mp[3 * r + 2] == mp[2], "sparse_allreduce: rank ", r, " sends values of dtype ",
+    BL_CHECK(mp[3 * r + 2] == mp[2], fn, ": rank ", r, " sends values of dtype ",
              static_cast<at::ScalarType>(mp[3 * r + 2]), " but rank 0 sends ", static_cast<at::ScalarType>(mp[2]),
              "; all ranks must use one dtype");
-    kmax = std::max(kmax, mp[3 * r]);
+    ks[r] = mp[3 * r];
+    kmax = std::max(kmax, ks[r]);
   }
-
-  // Writing into the caller's buffer avoids a fresh numel-sized allocation (and its page faults) per call.
-  at::Tensor dense = out.has_value() ? out->zero_() : at::zeros({numel}, values.options());
-  if (kmax == 0) return dense;
+  if (kmax == 0) return;
 
   // Pack: values then indices, padded to kmax.
   const int64_t msg = kmax * (elem + 4);
@@ -62,16 +58,48 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
   auto typed = [](const at::Tensor& bytes, at::ScalarType t) {
     return bytes.storage_offset() % at::elementSize(t) == 0 ? bytes.view(t) : bytes.clone().view(t);
   };
-  // Scatter-sum in rank order: the same order on every rank, so the same bits everywhere.
   for (int64_t r = 0; r < P; ++r) {
-    const int64_t kr = mp[3 * r];
+    const int64_t kr = ks[r];
     if (kr == 0) continue;
     auto base = recv.narrow(0, r * msg, msg);
-    auto vr = typed(base.narrow(0, 0, kr * elem), values.scalar_type());
-    auto ir = typed(base.narrow(0, kmax * elem, kr * 4), at::kInt);
-    kernels::scatter_add_(dense, vr, ir);
+    each(r, typed(base.narrow(0, 0, kr * elem), values.scalar_type()),
+         typed(base.narrow(0, kmax * elem, kr * 4), at::kInt));
   }
+}
+
+}  // namespace
+
+at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices,
+                            int64_t numel, std::optional<at::Tensor> out) {
+  if (out.has_value()) {
+    check_contiguous(*out, "sparse_allreduce", "out");
+    check_floating(*out, "sparse_allreduce", "out");
+    BL_CHECK(out->numel() == numel, "sparse_allreduce: `out` has ", out->numel(), " elements but numel=", numel);
+    BL_CHECK(out->device() == values.device(), "sparse_allreduce: `out` is on ", out->device(),
+             " but `values` is on ", values.device());
+  }
+  BL_CHECK(numel >= 0, "sparse_allreduce: numel must be >= 0, got ", numel);
+  kernels::check_sparse_args(values, indices, numel, "sparse_allreduce");
+  // Writing into the caller's buffer avoids a fresh numel-sized allocation (and its page faults) per call.
+  at::Tensor dense = out.has_value() ? out->zero_() : at::zeros({numel}, values.options());
+  std::vector<int64_t> ks;
+  // Scatter-sum in rank order: the same order on every rank, so the same bits everywhere.
+  gather_blocks(pg, values, indices, numel, "sparse_allreduce", ks,
+                [&](int64_t, const at::Tensor& v, const at::Tensor& i) { kernels::scatter_add_(dense, v, i); });
   return dense;
+}
+
+std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
+                                                    const at::Tensor& indices) {
+  kernels::check_sparse_args(values, indices, -1, "sparse_allgather");
+  std::vector<int64_t> ks;
+  std::vector<at::Tensor> vs, is;
+  gather_blocks(pg, values, indices, -1, "sparse_allgather", ks, [&](int64_t, const at::Tensor& v, const at::Tensor& i) {
+    vs.push_back(v);
+    is.push_back(i);
+  });
+  if (vs.empty()) return {values.new_empty({0}), indices.new_empty({0})};
+  return {at::cat(vs), at::cat(is)};
 }
 
 }  // namespace collectives
