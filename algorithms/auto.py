@@ -54,9 +54,10 @@ class Auto(Algorithm):
         if not tolerance >= 0:
             raise ValueError(f"auto: tolerance must be >= 0, got {tolerance!r}")
         if network is not None:
-            if not isinstance(network, dict) or set(network) != {"alpha", "beta"} or \
-                    not all(isinstance(v, (int, float)) and v >= 0 for v in network.values()):
-                raise ValueError(f"auto: network must be {{alpha: seconds, beta: seconds per byte}} (>= 0), got {network!r}")
+            if not isinstance(network, dict) or not {"alpha", "beta"} <= set(network) <= {"alpha", "beta", "host_local"} \
+                    or not all(isinstance(network[k], (int, float)) and network[k] >= 0 for k in ("alpha", "beta")):
+                raise ValueError(f"auto: network must be {{alpha: seconds, beta: seconds per byte, host_local: bool "
+                                 f"(optional)}} with alpha, beta >= 0, got {network!r}")
         if machine is not None:
             try:
                 cost_model.Machine(**machine)

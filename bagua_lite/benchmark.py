@@ -264,6 +264,7 @@ def worker_main(cfg, network, result_path):
                 f.write(json.dumps(record) + "\n")
 
     emit({"kind": "network", "network": network, "world_size": world, "alpha": net.alpha, "beta": net.beta,
+          "host_local": net.host_local,
           "machine": machine.__dict__, "malloc_tuned": tuned})
     for model_name in cfg["models"]:
         _, shape = make_model(model_name)
@@ -470,6 +471,7 @@ def projection_report(records, world_sizes, out=sys.stdout):
     result = []
     for (network, P, model), fl in sorted(floors.items()):
         nr = nets[(network, P)]
+        # A projection is to a real cluster: links between hosts (host_local off), this rank's compute
         net = cost_model.Network(alpha=nr["alpha"], beta=nr["beta"])
         machine = cost_model.Machine(**nr["machine"])
         work = cost_model.Workload(numel=fl["numel"], compute_s=fl["step_s"], bucket_numels=fl.get("bucket_numels"))

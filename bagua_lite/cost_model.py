@@ -74,7 +74,9 @@ backward, ``exposed = max(0, finish_last - Tb)``, is paid; the rest is ``hidden_
 ``step_s = compute_s + compression_s + comm_s - hidden_s``. That needs a core for the engine thread
 next to autograd's: with ``Machine.cores_per_rank < 2`` (ranks share cores, as 4 ranks on 2 cores do)
 local work (compression, selection, error feedback) cannot hide; only waiting on the network can, and the
-pipeline runs over the communication times alone: ``exposed = compression_s + pipeline(comm_i)``.
+pipeline runs over the communication times alone: ``exposed = compression_s + pipeline(comm_i)``. On one
+host (``Network.host_local``: loopback, or namespaces on one machine) with shared cores the transfer is
+kernel copies on those same cores, so nothing hides: ``exposed = compression_s + comm_s``.
 
 Local costs come from :class:`Machine` (per element, measured by :func:`calibrate_machine`).
 
@@ -115,6 +117,7 @@ _MINMAX_HEADER = 8  # two float32: min and max (csrc/kernels/compress.cpp)
 class Network:
     alpha: float   # seconds per message (latency)
     beta: float    # seconds per byte
+    host_local: bool = False   # every rank on one host: moving bytes is CPU work (kernel copies), not waiting
 
 
 @dataclass
@@ -148,13 +151,15 @@ class Workload:
 
 # ---- measuring ------------------------------------------------------------------------------------------------
 def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -> Network:
-    """Measure alpha and beta by ping-pong between ranks 0 and 1 of ``group`` (collective: call on all ranks).
+    """Measure alpha and beta by ping-pong, every pair of ranks at once (collective: call on all ranks).
 
-    For each size (bytes), ``repeats`` round trips after one warm-up; t(m) = median half round trip.
-    Fit ``t = alpha + beta * m``: alpha from the 8-byte message, beta from the two largest (4 and
-    16 MB, past any rate limiter's burst); alpha is clamped at 0 and beta kept > 0. The
-    other ranks wait in the broadcast that hands rank 0's fit to everyone, so all ranks return the
-    same Network. One rank: ``Network(0, 0)``.
+    Ranks pair up (0-1, 2-3, ...; with odd P the last rank idles), so the links, and on one host the
+    kernel's copies, are as busy as in a collective. For each size (bytes), ``repeats`` round trips after
+    one warm-up; t(m) = median half round trip. Fit ``t = alpha + beta * m``: alpha from the 8-byte
+    message, beta from the two largest (4 and 16 MB, past any rate limiter's burst); alpha is clamped at
+    0 and beta kept > 0. The slowest pair's fit (max alpha, max beta) goes to every rank, so all ranks
+    return the same Network. ``host_local``: every rank reported the same host name. One rank:
+    ``Network(0, 0)``.
     """
     import torch
     import torch.distributed as dist
@@ -164,17 +169,25 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -
     P, me = dist.get_world_size(group), dist.get_rank(group)
     if P == 1:
         return Network(0.0, 0.0)
-    g0, g1 = dist.get_global_rank(group, 0), dist.get_global_rank(group, 1)
+    import socket
+    import zlib
+
+    host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
+    hosts = [torch.zeros_like(host) for _ in range(P)]
+    dist.all_gather(hosts, host, group=group)
+    host_local = len({int(h) for h in hosts}) == 1
     fit = torch.zeros(2, dtype=torch.float64)
-    if me in (0, 1):
-        peer = g1 if me == 0 else g0
+    partner = me + 1 if me % 2 == 0 else me - 1
+    if partner < P:
+        first = me % 2 == 0
+        peer = dist.get_global_rank(group, partner)
         points = []
         for size in sizes:
             buf = torch.zeros(int(size), dtype=torch.uint8)
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
-                if me == 0:
+                if first:
                     dist.send(buf, peer, group=group)
                     dist.recv(buf, peer, group=group)
                 else:
@@ -183,10 +196,10 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -
                 if i:
                     times.append((time.perf_counter() - t0) / 2)
             points.append((float(size), statistics.median(times)))
-        if me == 0:
+        if first:
             fit[0], fit[1] = _fit_alpha_beta(points)
-    dist.broadcast(fit, src=g0, group=group)
-    return Network(alpha=float(fit[0]), beta=float(fit[1]))
+    dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)
+    return Network(alpha=float(fit[0]), beta=float(fit[1]), host_local=host_local)
 
 
 def _fit_alpha_beta(points):
@@ -476,7 +489,9 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         _, lat, crit = _bucket_comm(algorithm, options, P, n, e, None)
         comms.append(lat * net.alpha + crit * net.beta)
         locals_.append(_local_s(algorithm, options, P, n, machine))
-    if 0 < machine.cores_per_rank < 2:  # no spare core: local work adds to the step, waiting still hides
+    if 0 < machine.cores_per_rank < 2 and net.host_local:  # moving bytes is CPU work too: nothing hides
+        exposed = sum(locals_) + sum(comms)
+    elif 0 < machine.cores_per_rank < 2:  # no spare core: local work adds to the step, waiting still hides
         exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
     else:
         exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)

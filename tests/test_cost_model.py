@@ -185,12 +185,13 @@ def test_auto_options_are_checked():
 def _r_probe(rank, P):
     default = cm.probe_network()
     small = cm.probe_network(sizes=(8, 1 << 14, 1 << 18, 1 << 20), repeats=5)
-    return [(default.alpha, default.beta), (small.alpha, small.beta)]
+    return [(default.alpha, default.beta), (small.alpha, small.beta), default.host_local, small.host_local]
 
 
-@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("P", [2, 3, 4])
 def test_probe_network_same_on_every_rank(clusters, P):
     res = clusters.get(P).run(_r_probe)
+    assert all(r[2] is True and r[3] is True for r in res)  # every rank of the test cluster is on this host
     for net in range(2):
         alphas_betas = {tuple(r[net]) for r in res}
         assert len(alphas_betas) == 1, f"ranks disagree: {res}"
@@ -397,3 +398,19 @@ def test_cores_per_rank_counts_ranks_on_the_host(monkeypatch):
     assert cm.cores_per_rank() == pytest.approx(cores / 2)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert cm.cores_per_rank() == pytest.approx(cores)
+
+
+def test_host_local_transfers_do_not_hide_on_shared_cores():
+    import dataclasses
+    shared = dataclasses.replace(MACHINE, cores_per_rank=0.5)
+    fast = cm.Network(1e-5, 4e-10)  # a loopback-like path: comm smaller than backward
+    for name, o in (("gradient_allreduce", {}), ("ddp", {}), ("gtopk", {"density": 0.001})):
+        remote = cm.predict(name, o, 4, WORK, fast, shared)
+        local = cm.predict(name, o, 4, WORK, dataclasses.replace(fast, host_local=True), shared)
+        assert local["hidden_s"] == 0
+        assert local["step_s"] == pytest.approx(WORK.compute_s + local["compression_s"] + local["comm_s"])
+        assert local["step_s"] >= remote["step_s"]
+    # with a core to spare, host_local changes nothing
+    roomy = dataclasses.replace(MACHINE, cores_per_rank=4.0)
+    assert cm.predict("ddp", {}, 4, WORK, dataclasses.replace(fast, host_local=True), roomy) == \
+        cm.predict("ddp", {}, 4, WORK, fast, roomy)
