@@ -75,8 +75,8 @@ backward, ``exposed = max(0, finish_last - Tb)``, is paid; the rest is ``hidden_
 next to autograd's: with ``Machine.cores_per_rank < 2`` (ranks share cores, as 4 ranks on 2 cores do)
 local work (compression, selection, error feedback) cannot hide; only waiting on the network can, and the
 pipeline runs over the communication times alone: ``exposed = compression_s + pipeline(comm_i)``. On one
-host (``Network.host_local``: loopback, or namespaces on one machine) with shared cores the transfer is
-kernel copies on those same cores, so nothing hides: ``exposed = compression_s + comm_s``.
+host with no rate limit (``Network.host_local``: loopback) and shared cores the transfer is kernel copies
+on those same cores, so nothing hides: ``exposed = compression_s + comm_s``.
 
 Local costs come from :class:`Machine` (per element, measured by :func:`calibrate_machine`).
 
@@ -117,7 +117,7 @@ _MINMAX_HEADER = 8  # two float32: min and max (csrc/kernels/compress.cpp)
 class Network:
     alpha: float   # seconds per message (latency)
     beta: float    # seconds per byte
-    host_local: bool = False   # every rank on one host: moving bytes is CPU work (kernel copies), not waiting
+    host_local: bool = False   # one host, no rate limit: moving bytes is CPU work (kernel copies), not waiting
 
 
 @dataclass
@@ -149,6 +149,10 @@ class Workload:
         return [n // B + (1 if i < n % B else 0) for i in range(B)]
 
 
+#: A same-host path faster than this (bits/s) is taken as CPU-bound copies (see probe_network).
+HOST_LOCAL_MIN_BPS = 5e9
+
+
 # ---- measuring ------------------------------------------------------------------------------------------------
 def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -> Network:
     """Measure alpha and beta by ping-pong, every pair of ranks at once (collective: call on all ranks).
@@ -158,8 +162,9 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -
     one warm-up; t(m) = median half round trip. Fit ``t = alpha + beta * m``: alpha from the 8-byte
     message, beta from the two largest (4 and 16 MB, past any rate limiter's burst); alpha is clamped at
     0 and beta kept > 0. The slowest pair's fit (max alpha, max beta) goes to every rank, so all ranks
-    return the same Network. ``host_local``: every rank reported the same host name. One rank:
-    ``Network(0, 0)``.
+    return the same Network. ``host_local``: every rank reported the same host name and the path runs
+    faster than ``HOST_LOCAL_MIN_BPS`` (5 Gbit/s): memory copies, not a rate-limited link (an emulated
+    1 Gbit/s link between namespaces of one host is waiting, not CPU work). One rank: ``Network(0, 0)``.
     """
     import torch
     import torch.distributed as dist
@@ -199,6 +204,7 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6) -
         if first:
             fit[0], fit[1] = _fit_alpha_beta(points)
     dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)
+    host_local = host_local and float(fit[1]) < 8.0 / HOST_LOCAL_MIN_BPS
     return Network(alpha=float(fit[0]), beta=float(fit[1]), host_local=host_local)
 
 
