@@ -85,6 +85,19 @@ def _label(name, options):
 
 
 # ---- models and data -----------------------------------------------------------------------------------------
+_MODEL_CACHE = {}
+
+
+def fresh_model(name):
+    """make_model(name), built once per process and deep-copied after: a 25M-parameter init takes a while."""
+    import copy
+
+    if name not in _MODEL_CACHE:
+        _MODEL_CACHE[name] = make_model(name)
+    net, shape = _MODEL_CACHE[name]
+    return copy.deepcopy(net), shape
+
+
 def make_model(name, seed=0):
     import torch
 
@@ -142,7 +155,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
     from bagua_lite import comm
 
     gc.collect()  # the previous cell's model, buffers and DDP reducer are gone before this one is timed
-    net, _ = make_model(model_name)
+    net, _ = fresh_model(model_name)
     name, options = cell["name"], cell["options"]
     lr = 0.01
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
@@ -162,7 +175,9 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
         # powerSGD_hook with several buckets on gloo crashes (its per-bucket callbacks launch collectives
         # out of order); it runs reliably with one bucket, so that is how we run it.
         cap = 4096 if name == "ddp_powersgd" else cfg["bucket_size_mb"]
-        model = DDP(net, bucket_cap_mb=cap)
+        # init_sync=False: every rank built the same seeded model (as for ours, the start-up broadcast is
+        # skipped; neither is timed, it only costs the run seconds on a slow link)
+        model = DDP(net, bucket_cap_mb=cap, init_sync=False)
         if name == "ddp_fp16":
             model.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif name == "ddp_powersgd":
@@ -225,13 +240,13 @@ def _compute_floor(model_name, batches, cfg):
     import torch
     import torch.distributed as dist
 
-    net, _ = make_model(model_name)
+    net, _ = fresh_model(model_name)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
-    # Timed like a cell (the slowest rank per step, then the median), over at least 10 steps: it is cheap,
+    # Timed like a cell (the slowest rank per step, then the median), over at least 8 steps: it is cheap,
     # and every prediction and "exposed" figure of the model is measured against it.
-    for step in range(cfg["warmup_steps"] + max(10, cfg["steps"])):
+    for step in range(cfg["warmup_steps"] + max(8, cfg["steps"])):
         x, y = batches[step % len(batches)]
         dist.barrier()
         t0 = time.perf_counter()
@@ -270,13 +285,13 @@ def worker_main(cfg, network, result_path):
           "host_local": net.host_local,
           "machine": machine.__dict__, "malloc_tuned": tuned})
     for model_name in cfg["models"]:
-        _, shape = make_model(model_name)
-        numel = sum(p.numel() for p in make_model(model_name)[0].parameters())
+        model0, shape = fresh_model(model_name)
+        numel = sum(p.numel() for p in model0.parameters())
         batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["steps"], rank)
         floor = _compute_floor(model_name, batches, cfg)
         # The buckets DistributedModel will make (gradient-ready order: parameters reversed).
         from .bucket import plan_buckets
-        params = list(make_model(model_name)[0].parameters())
+        params = list(model0.parameters())
         bucket_numels = [sum(p.numel() for p in b)
                          for b in plan_buckets(params[::-1], int(cfg["bucket_size_mb"] * 2 ** 20))]
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
