@@ -17,6 +17,7 @@ chosen :class:`~bagua_lite.Algorithm` (None during the probe), ``decision`` the 
 The pick's native engine ops (``bagua_lite._C.AllreduceOp``, ...) run inside auto's per-bucket
 dispatcher through ``Op.run``.
 """
+import dataclasses
 import logging
 import time
 
@@ -159,8 +160,7 @@ class Auto(Algorithm):
     def _decide(self, compute_s):
         model = self.model
         m = self.machine
-        fields = ["topk_s_per_elem", "quantize_s_per_elem", "fp16_s_per_elem", "add_s_per_elem",
-                  "merge_s_per_elem", "matmul_s_per_flop", "cores_per_rank"]
+        fields = [f.name for f in dataclasses.fields(cost_model.Machine)]
         inputs = torch.tensor([compute_s] + [getattr(m, f) for f in fields], dtype=torch.float64)
         if model.world_size > 1:  # the slowest rank sets the pace; and every rank decides on equal inputs
             dist.all_reduce(inputs, op=dist.ReduceOp.MAX, group=model.process_group)

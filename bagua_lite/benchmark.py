@@ -289,11 +289,8 @@ def worker_main(cfg, network, result_path):
         numel = sum(p.numel() for p in model0.parameters())
         batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["steps"], rank)
         floor = _compute_floor(model_name, batches, cfg)
-        # The buckets DistributedModel will make (gradient-ready order: parameters reversed).
-        from .bucket import plan_buckets
-        params = list(model0.parameters())
-        bucket_numels = [sum(p.numel() for p in b)
-                         for b in plan_buckets(params[::-1], int(cfg["bucket_size_mb"] * 2 ** 20))]
+        from .bucket import plan_model_buckets  # the buckets DistributedModel will make
+        bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
               "step_s": floor, "bucket_numels": bucket_numels})
         for cell in cfg["algorithms"]:
@@ -412,9 +409,8 @@ def summarize(records):
         ddp = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
                and d["world_size"] == world and d["model"] == c["model"]]
         ddp_step = cycle_median(ddp[0]["times"], ddp[0].get("cycle", 1)) if ddp else None
-        wait = cycle_median(c["waits"], cyc) if c["waits"] else None
-        busy = cycle_median(c["busy"], cyc) if c["busy"] else None
-        tx = [b for b in c["tx_bytes"] if b is not None]
+        wait = cycle_median(c["waits"], cyc)
+        busy = cycle_median(c["busy"], cyc)
         # bagua_lite's own counter sees our collectives only; DDP's bytes show on emulated links' counters.
         counted = cycle_median(c["bytes"], cyc) if c["bytes"] and c["algorithm"] not in BASELINES else None
         comm_s = max(0.0, step - c["floor_s"])
@@ -428,7 +424,7 @@ def summarize(records):
             "name": c["algorithm"], "step_s": step, "samples_per_s": world * c["batch_size"] / step,
             "speedup_vs_ddp": (ddp_step / step) if ddp_step else None, "floor_s": c["floor_s"],
             "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
-            "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(tx, cyc) if tx else None,
+            "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),
             "final_loss": c["loss"], "predicted_step_s": pred_step,
             "prediction_error": (abs(pred_step - step) / step) if pred_step else None,
             "picked": c.get("picked"),

@@ -66,6 +66,13 @@ def plan_buckets(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[Li
     return buckets
 
 
+def plan_model_buckets(module: torch.nn.Module, bucket_size_mb: float) -> List[List[torch.nn.Parameter]]:
+    """The buckets DistributedModel makes for ``module``: its trainable parameters in the order their
+    gradients become ready (reverse registration order), planned with :func:`plan_buckets`."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    return plan_buckets(params[::-1], int(bucket_size_mb * 2 ** 20))
+
+
 class FlatWeights:
     """A reusable flat copy of a parameter list's weights, for algorithms that average weights."""
 

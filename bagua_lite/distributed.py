@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import _C, comm, runtime
 from ._groups import resolve_group
 from .algorithm import Algorithm, build
-from .bucket import Bucket, plan_buckets
+from .bucket import Bucket, plan_model_buckets
 
 
 def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
@@ -78,8 +78,7 @@ class DistributedModel(torch.nn.Module):
         self._params = [p for p in module.parameters() if p.requires_grad]
         if any(p.device.type == "cpu" for p in self._params):
             runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
-        plan = plan_buckets(list(reversed(self._params)), int(self.bucket_size_mb * 2 ** 20))
-        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan)]
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_model_buckets(module, self.bucket_size_mb))]
         self._slot = {}  # param -> (bucket index, position)
         for b in self.buckets:
             for j, p in enumerate(b.params):

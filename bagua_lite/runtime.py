@@ -49,7 +49,3 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 <<
         log.debug("bagua_lite: malloc keeps freed blocks up to %d bytes for reuse", mmap_threshold)
     return ok
 
-
-def cpu_allocator_tuned() -> bool:
-    """Whether :func:`tune_cpu_allocator` is in force in this process."""
-    return _state["applied"]

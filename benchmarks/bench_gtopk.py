@@ -16,15 +16,15 @@ next to the formula.
 """
 import argparse
 import datetime
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for an in-place build
+
+from _ranks import spawned_ranks  # noqa: E402  (benchmarks/, the script's own folder)
 
 
 def gtopk_formula(rank, P, k, elem=4):
@@ -94,17 +94,9 @@ def _worker(rank, P, init_file, sizes, density, repeats, dense_repeats, warmup, 
 
 
 def run_world(P, args):
-    ctx = mp.get_context("spawn")
-    fd, init_file = tempfile.mkstemp(prefix="bagua_lite_bench_")
-    os.close(fd)
-    os.unlink(init_file)
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, init_file, args.sizes, args.density, args.repeats,
-                                               args.dense_repeats, args.warmup, out)) for r in range(P)]
-    for p in procs:
-        p.start()
     results = {}
-    try:
+    worker_args = (args.sizes, args.density, args.repeats, args.dense_repeats, args.warmup)
+    with spawned_ranks(P, _worker, worker_args) as (procs, out):
         expected = P * len(args.sizes)
         while len(results) < expected:
             try:
@@ -116,13 +108,6 @@ def run_world(P, args):
             if n is None:
                 raise RuntimeError(f"P={P} rank {rank} failed:\n{rows}")
             results[(n, rank)] = (k, rows)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
     return results
 
 

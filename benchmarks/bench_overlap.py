@@ -27,15 +27,15 @@ plus ``exposed``: the time (a) spends after backward waiting for the last bucket
 """
 import argparse
 import datetime
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root, for an in-place build
+
+from _ranks import spawned_ranks  # noqa: E402  (benchmarks/, the script's own folder)
 
 MODES = ("compute", "comm", "full", "ddp")
 
@@ -138,16 +138,7 @@ def _worker(rank, P, init_file, args, out):
 
 
 def run(args):
-    ctx = mp.get_context("spawn")
-    fd, init_file = tempfile.mkstemp(prefix="bagua_lite_overlap_")
-    os.close(fd)
-    os.unlink(init_file)  # FileStore creates it
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, init_file, args, out))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    try:
+    with spawned_ranks(args.world_size, _worker, (args,), prefix="bagua_lite_overlap_") as (procs, out):
         deadline = time.monotonic() + args.timeout
         while True:
             try:
@@ -161,13 +152,6 @@ def run(args):
         if status != "ok":
             raise SystemExit(f"bench_overlap: {payload}")
         return payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
 
 
 def report(args, res):
