@@ -9,6 +9,7 @@ Options:
 """
 import os
 
+import torch
 import torch.distributed as dist
 
 from bagua_lite import comm
@@ -46,11 +47,25 @@ class GradientAllReduce(Algorithm):
         g = dist.new_group(leaders)
         self.inter = g if dist.get_rank() in leaders else None
 
+    def on_gradient(self, bucket, position, grad):
+        if self.hierarchical or self.compression != "none":
+            return super().on_gradient(bucket, position, grad)
+        # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
+        # extra pass over the bucket (DDP does the same; the result is sum_i(g_i / P)).
+        view = bucket.view(position)
+        scale = 1.0 / self.world_size
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr():
+            view.mul_(scale)
+        else:
+            torch.mul(grad, scale, out=view)
+
     def bucket_ops(self, bucket):
         if self.hierarchical:
             return [self._hierarchical_allreduce]
         if self.compression == "none":
-            return [self.native.AllreduceOp(self.process_group, True)]
+            return [self.native.AllreduceOp(self.process_group, False)]  # pre-scaled in on_gradient
         return [self.native.CompressedAllreduceOp(self.process_group, self.compression, True)]
 
     def _hierarchical_allreduce(self, flat):

@@ -1,6 +1,8 @@
 // Primitive collectives over a c10d::ProcessGroup (gloo on CPU, NCCL on GPU). Each is synchronous:
 // it returns when its result is in place, so a caller that issues them in one order on every rank can
-// never have two of them in flight out of order. Each is implemented in its own file.
+// never have two of them in flight out of order. Each is implemented in its own file. The one
+// exception is allreduce_start/allreduce_finish, which the engine uses to keep several buckets'
+// allreduces in flight; it still posts them in bucket order, which is all gloo and NCCL need to match.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +16,11 @@ namespace collectives {
 
 // Dense allreduce in place; average=true divides by the group size.
 void allreduce(const ProcessGroupPtr& pg, at::Tensor& t, bool average);
+
+// The same in two halves, for the engine: start the sum (returns its work, or nullptr when there is
+// nothing to send: P == 1 or an empty tensor) and, once that work completed, finish (the average).
+c10::intrusive_ptr<c10d::Work> allreduce_start(const ProcessGroupPtr& pg, at::Tensor& t, bool average);
+void allreduce_finish(const ProcessGroupPtr& pg, at::Tensor& t, bool average);
 
 // Broadcast in place from `src` (a rank of `pg`).
 void broadcast(const ProcessGroupPtr& pg, at::Tensor& t, int64_t src);
@@ -46,6 +53,8 @@ int64_t shift_one_partner(int64_t rank, int64_t size, int64_t step);
 
 // ---- thin wrappers around the process group that also count traffic -----------------------------------
 void pg_allreduce_sum(const ProcessGroupPtr& pg, at::Tensor& t);
+// Posts the sum and returns its work without waiting (nullptr: nothing to do).
+c10::intrusive_ptr<c10d::Work> pg_allreduce_sum_start(const ProcessGroupPtr& pg, at::Tensor& t);
 // out has P * in.numel() elements; rank r's input lands at out[r*n:(r+1)*n].
 void pg_allgather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in);
 // Send `send` to `peer` and receive `recv` from `peer` at the same time (both posted before waiting).

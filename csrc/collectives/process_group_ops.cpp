@@ -5,14 +5,20 @@
 namespace bagua_lite {
 namespace collectives {
 
-void pg_allreduce_sum(const ProcessGroupPtr& pg, at::Tensor& t) {
+c10::intrusive_ptr<c10d::Work> pg_allreduce_sum_start(const ProcessGroupPtr& pg, at::Tensor& t) {
   const int64_t P = pg->getSize();
-  if (P == 1 || t.numel() == 0) return;
+  if (P == 1 || t.numel() == 0) return {};
   std::vector<at::Tensor> v{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  wait(pg->allreduce(v, opts));
+  auto work = pg->allreduce(v, opts);
   count_sent(2 * (P - 1) * t.nbytes() / P, 2 * (P - 1));
+  return work;
+}
+
+void pg_allreduce_sum(const ProcessGroupPtr& pg, at::Tensor& t) {
+  auto work = pg_allreduce_sum_start(pg, t);
+  if (work) wait(work);
 }
 
 void pg_allgather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in) {

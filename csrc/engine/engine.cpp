@@ -12,6 +12,14 @@ namespace engine {
 
 void AllreduceOp::run(at::Tensor& bucket) { collectives::allreduce(pg_, bucket, average_); }
 
+c10::intrusive_ptr<c10d::Work> AllreduceOp::start(at::Tensor& bucket) {
+  auto work = collectives::allreduce_start(pg_, bucket, average_);
+  if (!work) finish(bucket);  // nothing to send (P == 1): finished here
+  return work;
+}
+
+void AllreduceOp::finish(at::Tensor& bucket) { collectives::allreduce_finish(pg_, bucket, average_); }
+
 CompressedAllreduceOp::CompressedAllreduceOp(ProcessGroupPtr pg, std::string compression, bool average)
     : pg_(std::move(pg)), compression_(std::move(compression)), average_(average) {
   (void)kernels::get_compressor(compression_);  // validate the name at set-up
@@ -79,46 +87,116 @@ void Engine::reset_stats() {
   stats_ = EngineStats{};
 }
 
-void Engine::loop() {
-  for (;;) {
-    Task task;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_work_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_ and nothing left
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    const bool skip = [&] {
-      std::lock_guard<std::mutex> lock(mu_);
-      return static_cast<bool>(error_);
-    }();
-    // OpenMP thread counts are per thread: without this the worker would use the machine default
-    // (all cores) even when the trainer asked for fewer, and oversubscribe the CPU.
-    if (at::get_num_threads() != task.num_threads) at::set_num_threads(task.num_threads);
-    const auto t0 = std::chrono::steady_clock::now();
-    if (!skip) {
-      for (auto& op : task.ops) {
-        try {
-          op->run(task.bucket);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(mu_);
-          error_ = std::current_exception();
-          error_where_ = "bucket " + std::to_string(task.bucket_id) + ", op " + op->name();
-          break;
-        }
+void Engine::record_error(const Task& task, const Op& op) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!error_) {
+    error_ = std::current_exception();
+    error_where_ = "bucket " + std::to_string(task.bucket_id) + ", op " + op.name();
+  }
+}
+
+std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
+  const bool skip = [&] {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<bool>(error_);
+  }();
+  if (skip) return nullptr;  // after an error the queue drains without running anything
+  // OpenMP thread counts are per thread: without this the worker would use the machine default
+  // (all cores) even when the trainer asked for fewer, and oversubscribe the CPU.
+  if (at::get_num_threads() != task.num_threads) at::set_num_threads(task.num_threads);
+  for (size_t i = 0; i < task.ops.size(); ++i) {
+    auto& op = task.ops[i];
+    try {
+      auto work = op->start(task.bucket);
+      if (!work) continue;
+      if (i + 1 < task.ops.size()) {  // a later op needs the result
+        wait(work);
+        op->finish(task.bucket);
+        continue;
       }
+      auto p = std::make_shared<Pending>();
+      p->op = op;
+      p->work = std::move(work);
+      try {
+        // Completion wakes the worker; the callback may run right here if the work is already done.
+        p->work->getFuture()->addCallback([this, raw = p.get()](c10::ivalue::Future&) {
+          // Notify under the lock: once it is released the worker may finish and the engine be destroyed.
+          std::lock_guard<std::mutex> lock(mu_);
+          raw->done = true;
+          cv_work_.notify_all();
+        });
+      } catch (const std::exception&) {
+        // A backend without futures: wait here (synchronous, as before).
+        wait(p->work);
+        op->finish(task.bucket);
+        return nullptr;
+      }
+      return p;
+    } catch (...) {
+      record_error(task, *op);
+      return nullptr;
     }
-    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    // Ops are released by the thread that waits (wait_all/shutdown), never here: an op may hold the
-    // last reference to Python objects that own this engine, and the engine must not end on its own thread.
-    task.bucket = at::Tensor();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stats_.buckets_done += 1;
-      stats_.busy_seconds += dt;
-      for (auto& op : task.ops) finished_ops_.push_back(std::move(op));
-      --in_flight_;
+  }
+  return nullptr;
+}
+
+void Engine::finish_pending(Pending& p) {
+  if (at::get_num_threads() != p.task.num_threads) at::set_num_threads(p.task.num_threads);
+  try {
+    wait(p.work);  // rethrows the backend's error (a failed or timed-out peer)
+    p.op->finish(p.task.bucket);
+  } catch (...) {
+    record_error(p.task, *p.op);
+  }
+}
+
+void Engine::task_done_locked(Task& task) {
+  // Ops are released by the thread that waits (wait_all/shutdown), never here: an op may hold the
+  // last reference to Python objects that own this engine, and the engine must not end on its own thread.
+  task.bucket = at::Tensor();
+  stats_.buckets_done += 1;
+  for (auto& op : task.ops) finished_ops_.push_back(std::move(op));
+  --in_flight_;
+}
+
+void Engine::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_work_.wait(lock, [this] {
+      return !queue_.empty() || (!pending_.empty() && pending_.front()->done) || (stop_ && pending_.empty());
+    });
+    if (!active_) {
+      active_ = true;
+      active_since_ = std::chrono::steady_clock::now();
+    }
+    if (!pending_.empty() && pending_.front()->done) {
+      // Finish in-flight collectives oldest first: completion follows submission order.
+      auto p = std::move(pending_.front());
+      pending_.pop_front();
+      lock.unlock();
+      finish_pending(*p);
+      lock.lock();
+      task_done_locked(p->task);
+    } else if (!queue_.empty()) {
+      Task task = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      auto p = run_task(task);
+      lock.lock();
+      if (p) {
+        p->task = std::move(task);
+        pending_.push_back(std::move(p));
+      } else {
+        task_done_locked(task);
+      }
+    } else {
+      active_ = false;
+      return;  // stop_, nothing queued and nothing in flight
+    }
+    if (pending_.empty() && queue_.empty()) {
+      active_ = false;
+      stats_.busy_seconds +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - active_since_).count();
     }
     cv_idle_.notify_all();
   }

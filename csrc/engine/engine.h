@@ -1,13 +1,19 @@
 // The communication engine: an ordered queue of ready buckets and one worker thread that runs each
 // bucket's ops, so that communication overlaps with the rest of backward.
 //
-// Ordering is the contract that keeps collectives matched across ranks: buckets are executed strictly
-// in submission order, one at a time, and the scheduler submits them in the bucket order fixed at
-// set-up. No two collectives are ever in flight out of order (the failure mode of callback-driven comm
-// hooks on gloo).
+// Ordering is the contract that keeps collectives matched across ranks: buckets are started strictly
+// in submission order, and the scheduler submits them in the bucket order fixed at set-up. No
+// collective is ever posted out of order (the failure mode of callback-driven comm hooks on gloo).
+//
+// A bucket's last op may be asynchronous (Op::start returns the collective's work, e.g. AllreduceOp):
+// the worker then goes on to the next bucket while that collective is in flight, as DDP keeps several
+// buckets' allreduces in flight, so a rank that waits for a slow peer on one bucket still makes
+// progress on the next. Its Op::finish (e.g. the division of an average) runs on the worker once the
+// work completed, oldest first. Every other op runs to completion before the next one starts.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <chrono>
 
 #include <condition_variable>
 #include <deque>
@@ -28,6 +34,14 @@ class Op {
  public:
   virtual ~Op() = default;
   virtual void run(at::Tensor& bucket) = 0;
+  // Asynchronous form: post the op's collective and return its work without waiting; the engine calls
+  // finish() after the work completed. Returning nullptr means the op already finished here (the
+  // default: run() synchronously).
+  virtual c10::intrusive_ptr<c10d::Work> start(at::Tensor& bucket) {
+    run(bucket);
+    return {};
+  }
+  virtual void finish(at::Tensor& /*bucket*/) {}
   virtual std::string name() const = 0;
 };
 using OpPtr = std::shared_ptr<Op>;
@@ -37,6 +51,8 @@ class AllreduceOp final : public Op {
  public:
   AllreduceOp(ProcessGroupPtr pg, bool average) : pg_(std::move(pg)), average_(average) {}
   void run(at::Tensor& bucket) override;
+  c10::intrusive_ptr<c10d::Work> start(at::Tensor& bucket) override;
+  void finish(at::Tensor& bucket) override;
   std::string name() const override { return average_ ? "allreduce(avg)" : "allreduce(sum)"; }
 
  private:
@@ -58,7 +74,7 @@ class CompressedAllreduceOp final : public Op {
 
 struct EngineStats {
   int64_t buckets_done = 0;
-  double busy_seconds = 0;  // time the worker spent running ops
+  double busy_seconds = 0;  // time the engine had work: an op running or a collective in flight
 };
 
 class Engine {
@@ -68,7 +84,7 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  // Queue a bucket; returns immediately. Ops run in order on the worker thread.
+  // Queue a bucket; returns immediately. Ops start in order on the worker thread.
   void submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops);
   // Block until every submitted bucket has finished. Rethrows the first op error (with the bucket and
   // op that raised it); after an error the queue is drained without running further ops.
@@ -85,11 +101,27 @@ class Engine {
     std::vector<OpPtr> ops;
     int num_threads;  // the submitting thread's intra-op thread count, applied on the worker
   };
+  // A bucket whose last op's collective is in flight.
+  struct Pending {
+    Task task;
+    OpPtr op;
+    c10::intrusive_ptr<c10d::Work> work;
+    bool done = false;  // set (under mu_) by the work's completion callback
+  };
   void loop();
+  // Runs a task's ops; returns the Pending of an asynchronous last op, or nullptr when all finished.
+  std::shared_ptr<Pending> run_task(Task& task);
+  void finish_pending(Pending& p);
+  void record_error(const Task& task, const Op& op);
+  // Under mu_: a bucket is done (its ops released by the waiting thread), and the busy-time bookkeeping.
+  void task_done_locked(Task& task);
 
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_idle_;
   std::deque<Task> queue_;
+  std::deque<std::shared_ptr<Pending>> pending_;  // in submission order
+  bool active_ = false;  // the worker has work (running or in flight) since active_since_
+  std::chrono::steady_clock::time_point active_since_;
   std::vector<OpPtr> finished_ops_;  // ops of finished buckets, released by the waiting thread
   int64_t in_flight_ = 0;
   bool stop_ = false;
