@@ -91,7 +91,9 @@ class Auto(Algorithm):
         if self.network_option is not None:
             self.network, self.network_source = cost_model.Network(**self.network_option), "given"
         else:
-            self.network, self.network_source = cost_model.probe_network(model.process_group), "probed"
+            # The same network measured earlier in this process (e.g. by the benchmark) is not probed again.
+            self.network = cost_model.probe_network(model.process_group, reuse=True)
+            self.network_source = "probed"
         if self.machine_option is not None:
             self.machine = cost_model.Machine(**self.machine_option)
         else:

@@ -28,7 +28,7 @@ import yaml
 BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd")
 MODELS = ("mlp25m", "cnn", "mlp_small")
 CONFIG_KEYS = ("world_sizes", "networks", "models", "algorithms", "steps", "warmup_steps", "batch_size",
-               "bucket_size_mb", "project", "timeout_s")
+               "bucket_size_mb", "project", "timeout_s", "min_cell_s", "max_steps")
 
 
 # ---- configuration -----------------------------------------------------------------------------------------
@@ -45,8 +45,21 @@ def load_benchmark_config(path):
             raise ValueError(f"benchmark config: unknown key {key!r}" + (f"; did you mean {near[0]!r}?" if near else "")
                              + f" (allowed: {', '.join(CONFIG_KEYS)})")
     out = {"world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
-           "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900}
+           "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
+           "max_steps": None}
     out.update(cfg)
+    for key in ("steps", "warmup_steps"):
+        v = out[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "steps" else 0):
+            raise ValueError(f"benchmark config: {key} must be an int >= {1 if key == 'steps' else 0}, got {v!r}")
+    if out["max_steps"] is None:
+        out["max_steps"] = out["steps"]
+    if not isinstance(out["max_steps"], int) or isinstance(out["max_steps"], bool) or out["max_steps"] < out["steps"]:
+        raise ValueError(f"benchmark config: max_steps must be an int >= steps ({out['steps']}), "
+                         f"got {out['max_steps']!r}")
+    m = out["min_cell_s"]
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or m < 0:
+        raise ValueError(f"benchmark config: min_cell_s must be a number of seconds >= 0, got {m!r}")
     for p in out["world_sizes"]:
         if not isinstance(p, int) or p < 1:
             raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
@@ -191,7 +204,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
         # timed from the second step of its pick: the probe steps and the switch are set-up, as
         # start_powerSGD_iter is for the PowerSGD baseline
         warm = max(warm, int(wrapper.algorithm.probe_steps) + 1)
-    cycle, measure = 1, cfg["steps"]
+    cycle, measure, most = 1, cfg["steps"], cfg["max_steps"]
     step = 0
     while step < warm + measure:
         if step == warm and ours:
@@ -200,6 +213,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
             cycle = max(1, int(wrapper.algorithm.cycle))
             measure = max(measure, 2 * cycle)
             measure = -(-measure // cycle) * cycle
+            most = max(measure, most // cycle * cycle)
         x, y = batches[step % len(batches)]
         dist.barrier()
         comm.reset_traffic()
@@ -214,7 +228,11 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
         opt.zero_grad()
         dt = time.perf_counter() - t0
         if step >= warm:
-            times.append(dt)
+            # The slowest rank's time of this step, known to every rank, so that all of them agree on
+            # when the cell has measured enough.
+            slowest = torch.tensor([dt], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times.append(float(slowest))
             losses.append(float(loss.detach()))
             if ours:
                 waits.append(wrapper.timings["backward_wait_s"] - wait0)
@@ -223,15 +241,18 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
             tx1 = _tx_bytes()
             tx.append(None if tx0 is None else tx1 - tx0)
         step += 1
+        # Cheap cells measure more steps (at least min_cell_s of measured time, whole cycles, at most
+        # max_steps), so that their medians are as steady as those of the slow cells.
+        n = step - warm
+        if step == warm + measure and n + cycle <= most and sum(times) < cfg["min_cell_s"]:
+            measure += cycle
     picked = None
     if ours:
         picked = getattr(wrapper.algorithm, "picked", None)
         picked = repr(picked) if picked is not None else None
         wrapper.close()
-    # Step time of the cell = the slowest rank's, per step.
-    t = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return {"times": t.tolist(), "loss": losses[-1] if losses else float("nan"), "waits": waits, "busy": busy,
+    # Step time of the cell = the slowest rank's, per step (reduced above).
+    return {"times": times, "loss": losses[-1] if losses else float("nan"), "waits": waits, "busy": busy,
             "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle}
 
 
@@ -287,7 +308,7 @@ def worker_main(cfg, network, result_path):
     for model_name in cfg["models"]:
         model0, shape = fresh_model(model_name)
         numel = sum(p.numel() for p in model0.parameters())
-        batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["steps"], rank)
+        batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["max_steps"], rank)
         floor = _compute_floor(model_name, batches, cfg)
         from .bucket import plan_model_buckets  # the buckets DistributedModel will make
         bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
@@ -421,7 +442,8 @@ def summarize(records):
         pred_step = pred.get("step_s")
         rows.append({
             "network": c["network"], "world_size": world, "model": c["model"], "algorithm": c["label"],
-            "name": c["algorithm"], "step_s": step, "samples_per_s": world * c["batch_size"] / step,
+            "name": c["algorithm"], "step_s": step, "steps_measured": len(c["times"]),
+            "samples_per_s": world * c["batch_size"] / step,
             "speedup_vs_ddp": (ddp_step / step) if ddp_step else None, "floor_s": c["floor_s"],
             "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
             "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),

@@ -25,6 +25,8 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
     for r in rows:
         assert r["step_s"] > 0 and r["samples_per_s"] == pytest.approx(2 * 16 / r["step_s"])
+        # min_cell_s (0.05 s) is far more than 3 steps of this model take: every cell measured max_steps
+        assert r["steps_measured"] == 6, (r["name"], r["steps_measured"])
         assert r["final_loss"] == r["final_loss"]  # not NaN
     # our algorithms count their own bytes: dense = ring allreduce of the whole model, gtopk far less
     dense = next(r for r in rows if r["name"] == "gradient_allreduce")
@@ -51,6 +53,21 @@ def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
                            str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "unknown key 'network'" in proc.stderr and "did you mean 'networks'" in proc.stderr
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    ("max_steps: 3", r"max_steps must be an int >= steps \(5\), got 3"),
+    ("min_cell_s: -1", r"min_cell_s must be a number of seconds >= 0, got -1"),
+    ("steps: 0", r"steps must be an int >= 1, got 0"),
+])
+def test_bad_step_settings_name_the_value(tmp_path, extra, pattern):
+    from bagua_lite.benchmark import load_benchmark_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text("steps: 5\nalgorithms: [ddp]\n" + extra + "\n" if not extra.startswith("steps") else
+                 "algorithms: [ddp]\n" + extra + "\n")
+    with pytest.raises(ValueError, match=pattern):
+        load_benchmark_config(str(p))
 
 
 def test_every_shipped_benchmark_config_validates():

@@ -185,6 +185,13 @@ def test_auto_options_are_checked():
 def _r_probe(rank, P):
     default = cm.probe_network()
     small = cm.probe_network(sizes=(8, 1 << 14, 1 << 18, 1 << 20), repeats=5)
+    # reuse=True: the measurement of the same sizes and repeats made earlier in this process, no traffic
+    again = cm.probe_network(sizes=(8, 1 << 14, 1 << 18, 1 << 20), repeats=5, reuse=True)
+    assert again is small
+    other = cm.probe_network(sizes=(8, 1 << 14, 1 << 18, 1 << 20), repeats=4, reuse=True)  # not measured yet
+    assert other is not small
+    remeasured = cm.probe_network(sizes=(8, 1 << 14, 1 << 18, 1 << 20), repeats=5)  # reuse=False: measures
+    assert remeasured is not small
     return [(default.alpha, default.beta), (small.alpha, small.beta), default.host_local, small.host_local]
 
 
