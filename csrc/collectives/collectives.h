@@ -57,6 +57,9 @@ void pg_allreduce_sum(const ProcessGroupPtr& pg, at::Tensor& t);
 c10::intrusive_ptr<c10d::Work> pg_allreduce_sum_start(const ProcessGroupPtr& pg, at::Tensor& t);
 // out has P * in.numel() elements; rank r's input lands at out[r*n:(r+1)*n].
 void pg_allgather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in);
+// The same result from P-1 sends and P-1 receives all posted at once (same bytes as the ring, one message
+// latency instead of P-1): for the small messages of sparse collectives. `tag`: a point-to-point tag.
+void pg_allgather_direct(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag);
 // Send `send` to `peer` and receive `recv` from `peer` at the same time (both posted before waiting).
 void pg_exchange(const ProcessGroupPtr& pg, at::Tensor& send, at::Tensor& recv, int64_t peer, int tag);
 void pg_send(const ProcessGroupPtr& pg, at::Tensor& t, int64_t peer, int tag);

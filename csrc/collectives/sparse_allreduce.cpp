@@ -14,8 +14,13 @@ namespace collectives {
 
 namespace {
 
+// Point-to-point tags of the two exchanges (gtopk_allreduce uses 0.. and 1 << 20; peer_average 0 and 1).
+constexpr int kTagMeta = (1 << 21) + 1, kTagBlocks = (1 << 21) + 2;
+
 // The exchange both entry points share: the meta allgather (k, numel, dtype of every rank, checked), then
-// one allgather of the packed blocks. Calls `each(r, values_r, indices_r)` in rank order.
+// one allgather of the packed blocks. Both are direct (every pair at once, pg_allgather_direct): the
+// messages are small, so the P-1 sequential hops of a ring allgather would cost P-1 latencies each.
+// Calls `each(r, values_r, indices_r)` in rank order.
 template <class Each>
 void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices, int64_t numel,
                    const char* fn, std::vector<int64_t>& ks, Each each) {
@@ -27,7 +32,7 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
   auto meta = at::tensor({values.numel(), numel, static_cast<int64_t>(values.scalar_type())},
                          at::TensorOptions().dtype(at::kLong)).to(dev);
   auto metas = at::empty({P * 3}, meta.options());
-  pg_allgather(pg, metas, meta);
+  pg_allgather_direct(pg, metas, meta, kTagMeta);
   auto m = metas.cpu();
   const int64_t* mp = m.const_data_ptr<int64_t>();
   int64_t kmax = 0;
@@ -50,7 +55,7 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
   send.narrow(0, 0, k * elem).copy_(values.view(at::kByte));
   send.narrow(0, kmax * elem, k * 4).copy_(indices.view(at::kByte));
   auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
-  pg_allgather(pg, recv, send);
+  pg_allgather_direct(pg, recv, send, kTagBlocks);
 
   // A packed block starts at r * kmax * (elem + 4) bytes and its indices kmax * elem bytes further, which
   // is not always a multiple of the element size (float64 or 16-bit values with an odd kmax): view the
