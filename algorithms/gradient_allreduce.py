@@ -9,11 +9,10 @@ Options:
 """
 import os
 
-import torch
 import torch.distributed as dist
 
 from bagua_lite import comm
-from bagua_lite.algorithm import Algorithm, register
+from bagua_lite.algorithm import Algorithm, fill_slot, register
 
 COMPRESSIONS = ("none", "fp16", "minmax_uint8")
 
@@ -52,14 +51,7 @@ class GradientAllReduce(Algorithm):
             return super().on_gradient(bucket, position, grad)
         # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
         # extra pass over the bucket (DDP does the same; the result is sum_i(g_i / P)).
-        view = bucket.view(position)
-        scale = 1.0 / self.world_size
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() == view.data_ptr():
-            view.mul_(scale)
-        else:
-            torch.mul(grad, scale, out=view)
+        fill_slot(bucket.view(position), grad, 1.0 / self.world_size)
 
     def bucket_ops(self, bucket):
         if self.hierarchical:

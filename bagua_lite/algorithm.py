@@ -32,6 +32,8 @@ Hooks, in the order of one training step:
 import inspect
 from typing import Dict, List, Type
 
+import torch
+
 _REGISTRY: Dict[str, Type["Algorithm"]] = {}
 
 
@@ -61,11 +63,7 @@ class Algorithm:
         complete its ops run on the flat buffer. A relaxation that keeps its own accumulator (error
         feedback) can add ``grad`` there instead and save a pass over the model.
         """
-        view = bucket.view(position)
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+        fill_slot(bucket.view(position), grad)
 
     @property
     def cycle(self) -> int:
@@ -114,6 +112,19 @@ class Algorithm:
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in sorted(self.options().items()))
         return f"{type(self).__name__}({opts})"
+
+
+def fill_slot(view, grad, scale: float = 1.0) -> None:
+    """Put ``grad * scale`` into a bucket slot in one pass (``grad`` None: zeros; ``grad`` may be the slot)."""
+    if grad is None:
+        view.zero_()
+    elif grad.data_ptr() == view.data_ptr():
+        if scale != 1.0:
+            view.mul_(scale)
+    elif scale != 1.0:
+        torch.mul(grad, scale, out=view)
+    else:
+        view.copy_(grad)
 
 
 def register(name: str):

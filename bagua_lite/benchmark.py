@@ -48,10 +48,10 @@ def load_benchmark_config(path):
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
            "max_steps": None}
     out.update(cfg)
-    for key in ("steps", "warmup_steps"):
+    for key, lowest in (("steps", 1), ("warmup_steps", 0)):
         v = out[key]
-        if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "steps" else 0):
-            raise ValueError(f"benchmark config: {key} must be an int >= {1 if key == 'steps' else 0}, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
+            raise ValueError(f"benchmark config: {key} must be an int >= {lowest}, got {v!r}")
     if out["max_steps"] is None:
         out["max_steps"] = out["steps"]
     if not isinstance(out["max_steps"], int) or isinstance(out["max_steps"], bool) or out["max_steps"] < out["steps"]:
@@ -243,8 +243,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
         step += 1
         # Cheap cells measure more steps (at least min_cell_s of measured time, whole cycles, at most
         # max_steps), so that their medians are as steady as those of the slow cells.
-        n = step - warm
-        if step == warm + measure and n + cycle <= most and sum(times) < cfg["min_cell_s"]:
+        if step == warm + measure and measure + cycle <= most and sum(times) < cfg["min_cell_s"]:
             measure += cycle
     picked = None
     if ours:

@@ -95,15 +95,21 @@ void Engine::record_error(const Task& task, const Op& op) {
   }
 }
 
+namespace {
+// OpenMP thread counts are per thread: without this the worker would use the machine default (all
+// cores) even when the trainer asked for fewer, and oversubscribe the CPU.
+void use_threads(int n) {
+  if (at::get_num_threads() != n) at::set_num_threads(n);
+}
+}  // namespace
+
 std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
   const bool skip = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<bool>(error_);
   }();
   if (skip) return nullptr;  // after an error the queue drains without running anything
-  // OpenMP thread counts are per thread: without this the worker would use the machine default
-  // (all cores) even when the trainer asked for fewer, and oversubscribe the CPU.
-  if (at::get_num_threads() != task.num_threads) at::set_num_threads(task.num_threads);
+  use_threads(task.num_threads);
   for (size_t i = 0; i < task.ops.size(); ++i) {
     auto& op = task.ops[i];
     try {
@@ -115,7 +121,6 @@ std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
         continue;
       }
       auto p = std::make_shared<Pending>();
-      p->op = op;
       p->work = std::move(work);
       try {
         // Completion wakes the worker; the callback may run right here if the work is already done.
@@ -141,12 +146,13 @@ std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
 }
 
 void Engine::finish_pending(Pending& p) {
-  if (at::get_num_threads() != p.task.num_threads) at::set_num_threads(p.task.num_threads);
+  use_threads(p.task.num_threads);
+  auto& op = *p.task.ops.back();
   try {
     wait(p.work);  // rethrows the backend's error (a failed or timed-out peer)
-    p.op->finish(p.task.bucket);
+    op.finish(p.task.bucket);
   } catch (...) {
-    record_error(p.task, *p.op);
+    record_error(p.task, op);
   }
 }
 

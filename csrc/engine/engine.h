@@ -13,8 +13,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <chrono>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -101,10 +101,9 @@ class Engine {
     std::vector<OpPtr> ops;
     int num_threads;  // the submitting thread's intra-op thread count, applied on the worker
   };
-  // A bucket whose last op's collective is in flight.
+  // A bucket whose last op's collective is in flight (that op is task.ops.back()).
   struct Pending {
     Task task;
-    OpPtr op;
     c10::intrusive_ptr<c10d::Work> work;
     bool done = false;  // set (under mu_) by the work's completion callback
   };
@@ -113,7 +112,7 @@ class Engine {
   std::shared_ptr<Pending> run_task(Task& task);
   void finish_pending(Pending& p);
   void record_error(const Task& task, const Op& op);
-  // Under mu_: a bucket is done (its ops released by the waiting thread), and the busy-time bookkeeping.
+  // Under mu_: a bucket is done (its ops handed to the waiting thread for release).
   void task_done_locked(Task& task);
 
   mutable std::mutex mu_;
