@@ -1,10 +1,13 @@
 """bagua_lite: communication relaxations for data-parallel PyTorch training on slow networks."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import comm, kernels, runtime  # noqa: F401
+from . import comm, compressors, kernels, runtime  # noqa: F401
 from .algorithm import Algorithm, register  # noqa: F401
+from .compressors import Compressor, register_compressor  # noqa: F401
 from .config import Config, load_config, parse_config  # noqa: F401
 from .distributed import DistributedModel  # noqa: F401
 from .runtime import tune_cpu_allocator  # noqa: F401
 
 __version__ = "0.1.0"
+
+from . import algorithms  # noqa: F401,E402  (last: the built-in relaxations register themselves by name)

@@ -25,6 +25,9 @@ Hooks, in the order of one training step:
 ``after_backward()``       after all buckets of a synchronised backward finished
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
 ``state_dict()`` / ``load_state_dict()``  the algorithm's own state (residuals, counters)
+``asynchronous``           True for a relaxation whose ranks do not wait for each other every step
+                           (asynchronous model averaging): a benchmark must not synchronise its ranks
+                           per step to time it, and ranks may take different numbers of steps.
 ``cycle``                  how many steps its communication pattern takes to repeat (1 for most; a
                            periodic relaxation such as local SGD returns its period). Timing an average
                            step means averaging over whole cycles; the benchmark does.
@@ -42,6 +45,8 @@ class Algorithm:
 
     #: registry name, set by :func:`register`
     name: str = "algorithm"
+    #: ranks do not wait for each other every step (see the module docstring)
+    asynchronous: bool = False
 
     def __init__(self):
         self.step = 0

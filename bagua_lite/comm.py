@@ -28,7 +28,9 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _C
+import torch.distributed as dist
+
+from . import _C, compressors
 from ._groups import check_device, resolve_group
 
 __all__ = ["allreduce", "compressed_allreduce", "sparse_allreduce", "sparse_allgather", "gtopk_allreduce",
@@ -54,19 +56,75 @@ def allreduce(t: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
     return t
 
 
-def compressed_allreduce(t: torch.Tensor, compression: str = "fp16", group=None, op: str = "avg") -> torch.Tensor:
+def compressed_allreduce(t: torch.Tensor, compression="fp16", group=None, op: str = "avg",
+                         residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Low-precision allreduce of ``t`` in place (BAGUA's centralized path; ``minmax_uint8`` is ByteGrad).
 
-    Each rank compresses its P chunks, an all-to-all gives rank r every rank's chunk r, which it
-    decompresses, reduces, recompresses and allgathers. Every rank ends with bit-identical ``t``.
-    With one rank nothing is exchanged and ``t`` is left exactly as it is. Returns ``t``.
+    ``compression``: a registered name (``fp16``, ``bf16``, ``minmax_uint8``, ``sign``, a user's) or a
+    :class:`bagua_lite.Compressor`; ``"none"`` is a plain allreduce. Each rank compresses its P chunks,
+    an all-to-all gives rank r every rank's chunk r, which it decompresses, reduces, recompresses and
+    allgathers. Every rank ends with bit-identical ``t``. With ``residual`` (a tensor like ``t``: the
+    error-feedback memory) each rank sends its chunks plus the residual and keeps what compression lost
+    there. With one rank nothing is exchanged and ``t`` is left exactly as it is. Returns ``t``.
     """
-    _choice("compressed_allreduce", "compression", compression, _COMPRESSIONS)
+    comp = compressors.get_compressor(compression, "bagua_lite.comm.compressed_allreduce")
     _choice("compressed_allreduce", "op", op, _OPS)
     pg = resolve_group(group, "compressed_allreduce")
     check_device(t, pg, "compressed_allreduce")
-    _C.compressed_allreduce(pg, t, compression, op == "avg")
+    if residual is not None and (not isinstance(residual, torch.Tensor) or residual.shape != t.shape
+                                 or residual.dtype != t.dtype or not residual.is_contiguous()):
+        raise ValueError(f"bagua_lite.comm.compressed_allreduce: residual must be a contiguous tensor of t's shape "
+                         f"{tuple(t.shape)} and dtype {t.dtype}, got "
+                         f"{getattr(residual, 'shape', type(residual).__name__)}")
+    if comp is None:
+        return allreduce(t, op, group=pg)
+    if comp.native:
+        _C.compressed_allreduce(pg, t, comp.name, op == "avg", residual)
+    else:
+        _compressed_allreduce_py(pg, t, comp, op == "avg", residual)
     return t
+
+
+def _compressed_allreduce_py(pg, t, comp, average, residual):
+    """The same reduce-scatter + allgather on compressed chunks, for a compressor written in Python."""
+    if not t.is_contiguous() or not t.is_floating_point():
+        raise ValueError(f"bagua_lite.comm.compressed_allreduce: t must be a contiguous floating tensor, "
+                         f"got {t.dtype}, contiguous={t.is_contiguous()}")
+    P, me, n = pg.size(), pg.rank(), t.numel()
+    if P == 1:
+        return
+    flat = t.view(-1)
+    res = residual.view(-1) if residual is not None else None
+    bounds = [i * (n // P) + min(i, n % P) for i in range(P + 1)]
+    chunk = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(P)]
+    wire = [comp.wire_bytes(length) for _, length in chunk]
+    send_splits = [_aligned(w) for w in wire]  # every wire buffer starts at an 8-byte boundary
+    send = torch.empty(sum(send_splits), dtype=torch.uint8, device=t.device)
+    off = 0
+    for (start, length), size, split in zip(chunk, wire, send_splits):
+        encode_residual = res.narrow(0, start, length) if res is not None else None
+        compressors.encode(comp, flat.narrow(0, start, length), send.narrow(0, off, size), encode_residual)
+        off += split
+    piece = send_splits[me]
+    recv = torch.empty(piece * P, dtype=torch.uint8, device=t.device)
+    dist.all_to_all_single(recv, send, [piece] * P, send_splits, group=pg)
+    mine = flat.narrow(0, *chunk[me])
+    for r in range(P):
+        comp.decompress(recv.narrow(0, r * piece, wire[me]), mine, accumulate=r > 0)
+    if average:
+        mine.div_(P)
+    slot = send_splits[0]
+    own = torch.zeros(slot, dtype=torch.uint8, device=t.device)
+    comp.compress(mine, own.narrow(0, 0, wire[me]))
+    gathered = [torch.empty_like(own) for _ in range(P)]
+    dist.all_gather(gathered, own, group=pg)
+    for r, (start, length) in enumerate(chunk):
+        comp.decompress(gathered[r].narrow(0, 0, wire[r]), flat.narrow(0, start, length), accumulate=False)
+    _C.count_sent(sum(send_splits) - piece + (P - 1) * slot, 2 * (P - 1))
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
 
 
 def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, group=None,

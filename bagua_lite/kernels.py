@@ -27,7 +27,8 @@ def topk_out(x, k, values, indices) -> None:
 
 
 def compress(x: torch.Tensor, compression: str) -> torch.Tensor:
-    """Compress ``x`` to its wire bytes (uint8): ``"fp16"`` or ``"minmax_uint8"``."""
+    """Compress ``x`` to its wire bytes (uint8) with a built-in: ``"fp16"``, ``"bf16"``, ``"minmax_uint8"``
+    or ``"sign"`` (formats in :mod:`bagua_lite.compressors`)."""
     return _C.compress(x, compression)
 
 

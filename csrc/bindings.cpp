@@ -87,10 +87,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("broadcast", [](const bl::ProcessGroupPtr& pg, at::Tensor t, int64_t src) { coll::broadcast(pg, t, src); },
         py::arg("pg"), py::arg("t"), py::arg("src"), release());
   m.def("compressed_allreduce",
-        [](const bl::ProcessGroupPtr& pg, at::Tensor t, const std::string& c, bool avg) {
-          coll::compressed_allreduce(pg, t, c, avg);
+        [](const bl::ProcessGroupPtr& pg, at::Tensor t, const std::string& c, bool avg,
+           std::optional<at::Tensor> residual) { coll::compressed_allreduce(pg, t, c, avg, residual); },
+        py::arg("pg"), py::arg("t"), py::arg("compression"), py::arg("average"), py::arg("residual") = py::none(),
+        release());
+  m.def("compress_into",
+        [](const at::Tensor& x, const std::string& c, at::Tensor out) {
+          bl::check_floating(x, "compress_into", "x");
+          bl::check_contiguous(x, "compress_into", "x");
+          kern::get_compressor(c).compress(x, out);
         },
-        py::arg("pg"), py::arg("t"), py::arg("compression"), py::arg("average"), release());
+        py::arg("x"), py::arg("compression"), py::arg("out"), release());
+  m.def("decompress_into",
+        [](const at::Tensor& wire, const std::string& c, at::Tensor out, bool accumulate) {
+          bl::check_floating(out, "decompress_into", "out");
+          bl::check_contiguous(out, "decompress_into", "out");
+          kern::get_compressor(c).decompress(wire, out, accumulate);
+        },
+        py::arg("wire"), py::arg("compression"), py::arg("out"), py::arg("accumulate"), release());
   m.def("sparse_allreduce", &coll::sparse_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"),
         py::arg("numel"), py::arg("out") = py::none(), release());
   m.def("sparse_allgather", &coll::sparse_allgather, py::arg("pg"), py::arg("values"), py::arg("indices"),
@@ -112,8 +126,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<eng::AllreduceOp, eng::Op, std::shared_ptr<eng::AllreduceOp>>(m, "AllreduceOp")
       .def(py::init<bl::ProcessGroupPtr, bool>(), py::arg("pg"), py::arg("average"));
   py::class_<eng::CompressedAllreduceOp, eng::Op, std::shared_ptr<eng::CompressedAllreduceOp>>(m, "CompressedAllreduceOp")
-      .def(py::init<bl::ProcessGroupPtr, std::string, bool>(), py::arg("pg"), py::arg("compression"),
-           py::arg("average"));
+      .def(py::init<bl::ProcessGroupPtr, std::string, bool, std::optional<at::Tensor>>(), py::arg("pg"),
+           py::arg("compression"), py::arg("average"), py::arg("residual") = py::none());
   py::class_<eng::Engine, std::shared_ptr<eng::Engine>>(m, "Engine")
       .def(py::init<>())
       .def("submit",
@@ -135,6 +149,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- traffic counters ----
   m.def("bytes_sent", [] { return bl::traffic().bytes_sent.load(); });
   m.def("messages_sent", [] { return bl::traffic().messages.load(); });
+  m.def("count_sent", [](int64_t bytes, int64_t messages) { bl::count_sent(bytes, messages); }, py::arg("bytes"),
+        py::arg("messages"), "Count traffic sent from Python with torch.distributed (p2p weight exchanges).");
   m.def("reset_traffic", [] {
     bl::traffic().bytes_sent = 0;
     bl::traffic().messages = 0;

@@ -26,8 +26,10 @@ void allreduce_finish(const ProcessGroupPtr& pg, at::Tensor& t, bool average);
 void broadcast(const ProcessGroupPtr& pg, at::Tensor& t, int64_t src);
 
 // BAGUA's centralized low-precision allreduce: compress P chunks, all-to-all, decompress and reduce the
-// own chunk, recompress, allgather, decompress. Identical result on every rank.
-void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& compression, bool average);
+// own chunk, recompress, allgather, decompress. Identical result on every rank. With `residual` (same
+// shape as t) the sender compresses t + residual and keeps what compression lost in `residual`.
+void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& compression, bool average,
+                          const std::optional<at::Tensor>& residual = std::nullopt);
 
 // TopKAllReduce: allgather of packed (k values, k int32 indices) buffers, scatter-summed into a dense
 // tensor of `numel` elements (written into `out` when given). Ranks may hold different k.

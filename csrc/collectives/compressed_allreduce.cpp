@@ -6,6 +6,8 @@
 //   4. recompress chunk r and allgather it (padded to the largest chunk's wire size);
 //   5. decompress every chunk into t, including our own from its compressed bytes, so all ranks
 //      end with bit-identical tensors.
+// With `residual` (error feedback on the sender, as in EF-SGD / 1-bit Adam): step 1 compresses
+// chunk + residual instead, and leaves in `residual` what that compression lost, to be sent next time.
 // Wire bytes per rank: (P-1)/P * wire(n) in step 2 plus (P-1) * wire(ceil(n/P)) in step 4.
 #include "collectives/collectives.h"
 #include "kernels/compress.h"
@@ -13,10 +15,18 @@
 namespace bagua_lite {
 namespace collectives {
 
-void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& compression, bool average) {
+void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& compression, bool average,
+                          const std::optional<at::Tensor>& residual) {
   const auto& codec = kernels::get_compressor(compression);
   check_contiguous(t, "compressed_allreduce", "t");
   check_floating(t, "compressed_allreduce", "t");
+  if (residual) {
+    check_contiguous(*residual, "compressed_allreduce", "residual");
+    BL_CHECK(residual->numel() == t.numel() && residual->scalar_type() == t.scalar_type() &&
+                 residual->device() == t.device(),
+             "compressed_allreduce: `residual` must match t (", t.numel(), " x ", t.scalar_type(), " on ",
+             t.device(), "), got ", residual->numel(), " x ", residual->scalar_type(), " on ", residual->device());
+  }
   const int64_t P = pg->getSize(), me = pg->getRank(), n = t.numel();
   if (P == 1) return;  // nothing to exchange, so nothing to round
   auto flat = t.view(-1);
@@ -31,7 +41,16 @@ void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::s
   int64_t off = 0;
   for (int64_t i = 0; i < P; ++i) {
     auto dst = send.narrow(0, off, send_splits[i]);
-    codec.compress(flat.narrow(0, chunk_begin(i), chunk_len(i)), dst);
+    auto chunk = flat.narrow(0, chunk_begin(i), chunk_len(i));
+    if (residual) {
+      auto r = residual->view(-1).narrow(0, chunk_begin(i), chunk_len(i));
+      chunk.add_(r);                                       // what we owe plus what is new
+      codec.compress(chunk, dst);
+      codec.decompress(dst, r, /*accumulate=*/false);     // what the receivers will read...
+      at::sub_out(r, chunk, r);                            // ...and what they will not: the new residual
+    } else {
+      codec.compress(chunk, dst);
+    }
     off += send_splits[i];
   }
 

@@ -20,13 +20,14 @@ c10::intrusive_ptr<c10d::Work> AllreduceOp::start(at::Tensor& bucket) {
 
 void AllreduceOp::finish(at::Tensor& bucket) { collectives::allreduce_finish(pg_, bucket, average_); }
 
-CompressedAllreduceOp::CompressedAllreduceOp(ProcessGroupPtr pg, std::string compression, bool average)
-    : pg_(std::move(pg)), compression_(std::move(compression)), average_(average) {
+CompressedAllreduceOp::CompressedAllreduceOp(ProcessGroupPtr pg, std::string compression, bool average,
+                                             std::optional<at::Tensor> residual)
+    : pg_(std::move(pg)), compression_(std::move(compression)), average_(average), residual_(std::move(residual)) {
   (void)kernels::get_compressor(compression_);  // validate the name at set-up
 }
 
 void CompressedAllreduceOp::run(at::Tensor& bucket) {
-  collectives::compressed_allreduce(pg_, bucket, compression_, average_);
+  collectives::compressed_allreduce(pg_, bucket, compression_, average_, residual_);
 }
 
 Engine::Engine() : worker_([this] { loop(); }) {}

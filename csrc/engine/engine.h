@@ -62,7 +62,9 @@ class AllreduceOp final : public Op {
 
 class CompressedAllreduceOp final : public Op {
  public:
-  CompressedAllreduceOp(ProcessGroupPtr pg, std::string compression, bool average);
+  // residual: error-feedback memory of this bucket (see collectives::compressed_allreduce), or none.
+  CompressedAllreduceOp(ProcessGroupPtr pg, std::string compression, bool average,
+                        std::optional<at::Tensor> residual = std::nullopt);
   void run(at::Tensor& bucket) override;
   std::string name() const override { return "compressed_allreduce(" + compression_ + ")"; }
 
@@ -70,6 +72,7 @@ class CompressedAllreduceOp final : public Op {
   ProcessGroupPtr pg_;
   std::string compression_;
   bool average_;
+  std::optional<at::Tensor> residual_;
 };
 
 struct EngineStats {

@@ -21,20 +21,98 @@ void check_wire(const at::Tensor& wire, int64_t need, const char* fn) {
   BL_CHECK(wire.numel() == need, fn, ": wire buffer has ", wire.numel(), " bytes, expected ", need);
 }
 
-class Fp16Compressor final : public Compressor {
+// fp16 and bf16: a cast to a 16-bit float type on the way out, and back (or added) on the way in.
+template <at::ScalarType kWire>
+class HalfCompressor final : public Compressor {
  public:
-  const char* name() const override { return "fp16"; }
+  explicit HalfCompressor(const char* name) : name_(name) {}
+  const char* name() const override { return name_; }
   int64_t wire_bytes(int64_t n) const override { return 2 * n; }
   void compress(const at::Tensor& x, at::Tensor& out) const override {
-    check_wire(out, wire_bytes(x.numel()), "fp16 compress");
+    check_wire(out, wire_bytes(x.numel()), name_);
     if (x.numel() == 0) return;
-    out.view(at::kHalf).copy_(x.reshape(-1));
+    out.view(kWire).copy_(x.reshape(-1));
   }
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
-    check_wire(in, wire_bytes(out.numel()), "fp16 decompress");
+    check_wire(in, wire_bytes(out.numel()), name_);
     if (out.numel() == 0) return;
     auto flat = out.view(-1);
-    if (accumulate) flat.add_(in.view(at::kHalf)); else flat.copy_(in.view(at::kHalf));
+    if (accumulate) flat.add_(in.view(kWire)); else flat.copy_(in.view(kWire));
+  }
+
+ private:
+  const char* name_;
+};
+
+// Scaled sign (signSGD with a magnitude, as in EF-SignSGD, Karimireddy et al. 2019): one bit per element
+// (1: x >= 0) and one float32 scale, the mean |x|, so x ~= scale * sign(x). Loses most of the
+// information: use it with error feedback. Wire: [scale f32][ceil(n / 8) bytes, element i in bit i % 8
+// of byte i / 8].
+class SignCompressor final : public Compressor {
+ public:
+  static constexpr int64_t kHeader = sizeof(float);
+  const char* name() const override { return "sign"; }
+  int64_t wire_bytes(int64_t n) const override { return kHeader + (n + 7) / 8; }
+
+  void compress(const at::Tensor& x, at::Tensor& out) const override {
+    const int64_t n = x.numel();
+    check_wire(out, wire_bytes(n), "sign compress");
+    float scale = 0.f;
+    if (n > 0) {
+      auto xf = x.reshape(-1);
+      double mean_abs = xf.abs().sum(at::kDouble).item<double>() / static_cast<double>(n);
+      BL_CHECK(std::isfinite(mean_abs), "sign compress: input must be finite (mean |x| = ", mean_abs, ")");
+      scale = static_cast<float>(mean_abs);
+      auto bits = out.narrow(0, kHeader, (n + 7) / 8);
+      if (!x.device().is_cpu()) {
+        auto pad = at::zeros({(n + 7) / 8 * 8}, xf.options().dtype(at::kByte));
+        pad.narrow(0, 0, n).copy_(xf.ge(0));
+        auto weights = at::pow(2, at::arange(8, pad.options().dtype(at::kInt))).to(at::kByte);
+        bits.copy_((pad.view({-1, 8}) * weights).sum(1).to(at::kByte));
+      } else {
+        uint8_t* b = bits.data_ptr<uint8_t>();
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sign_compress", [&] {
+          const scalar_t* p = x.const_data_ptr<scalar_t>();
+          at::parallel_for(0, (n + 7) / 8, 1 << 14, [&](int64_t lo, int64_t hi) {
+            for (int64_t j = lo; j < hi; ++j) {
+              uint8_t byte = 0;
+              const int64_t end = std::min<int64_t>(8, n - 8 * j);
+              for (int64_t k = 0; k < end; ++k) byte |= static_cast<uint8_t>(!(p[8 * j + k] < scalar_t(0))) << k;
+              b[j] = byte;
+            }
+          });
+        });
+      }
+    }
+    std::memcpy(out.data_ptr<uint8_t>(), &scale, kHeader);
+  }
+
+  void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
+    const int64_t n = out.numel();
+    check_wire(in, wire_bytes(n), "sign decompress");
+    if (n == 0) return;
+    float scale;
+    std::memcpy(&scale, in.const_data_ptr<uint8_t>(), kHeader);
+    auto bits = in.narrow(0, kHeader, (n + 7) / 8);
+    if (!out.device().is_cpu()) {
+      auto shifts = at::arange(8, bits.options().dtype(at::kInt));
+      auto set = bits.to(at::kInt).unsqueeze(1).bitwise_right_shift(shifts).bitwise_and(1).view(-1).narrow(0, 0, n);
+      auto v = (set.to(at::kFloat) * 2 - 1) * scale;
+      auto flat = out.view(-1);
+      if (accumulate) flat.add_(v); else flat.copy_(v);
+      return;
+    }
+    const uint8_t* b = bits.const_data_ptr<uint8_t>();
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decompress", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      scalar_t* p = out.data_ptr<scalar_t>();
+      at::parallel_for(0, n, 1 << 16, [&](int64_t lo, int64_t hi) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const acc_t v = ((b[i >> 3] >> (i & 7)) & 1) ? acc_t(scale) : -acc_t(scale);
+          p[i] = static_cast<scalar_t>(accumulate ? static_cast<acc_t>(p[i]) + v : v);
+        }
+      });
+    });
   }
 };
 
@@ -141,11 +219,15 @@ class MinMaxUInt8Compressor final : public Compressor {
 }  // namespace
 
 const Compressor& get_compressor(const std::string& name) {
-  static const Fp16Compressor fp16;
+  static const HalfCompressor<at::kHalf> fp16("fp16");
+  static const HalfCompressor<at::kBFloat16> bf16("bf16");
   static const MinMaxUInt8Compressor minmax;
+  static const SignCompressor sign;
   if (name == "fp16") return fp16;
+  if (name == "bf16") return bf16;
   if (name == "minmax_uint8") return minmax;
-  BL_CHECK(false, "unknown compression '", name, "'; allowed: 'fp16', 'minmax_uint8'");
+  if (name == "sign") return sign;
+  BL_CHECK(false, "unknown compression '", name, "'; allowed: 'fp16', 'bf16', 'minmax_uint8', 'sign'");
   return fp16;  // unreachable
 }
 

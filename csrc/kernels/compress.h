@@ -1,7 +1,10 @@
 // Pluggable compressors: what travels on the wire for a chunk of a dense tensor.
 // A compressor turns n elements into wire_bytes(n) bytes and back. Wire formats (little endian):
 //   fp16          n * 2 bytes of IEEE half.
+//   bf16          n * 2 bytes of bfloat16 (float32's exponent range: no overflow where fp16 would).
 //   minmax_uint8  [min: f32][max: f32][n bytes q], x ~= min + q * (max - min) / 255  (BAGUA's ByteGrad).
+//   sign          [scale: f32][ceil(n/8) bytes], bit i%8 of byte i/8 set iff x_i >= 0; x ~= +-scale,
+//                 scale = mean |x| (1 bit per element; meant to be used with error feedback).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,7 +26,7 @@ class Compressor {
   virtual void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const = 0;
 };
 
-// "fp16" or "minmax_uint8"; anything else raises a ValueError listing the allowed names.
+// "fp16", "bf16", "minmax_uint8" or "sign"; anything else raises a ValueError listing the allowed names.
 const Compressor& get_compressor(const std::string& name);
 
 // Convenience wrappers for the Python kernels module.
