@@ -1,13 +1,29 @@
-"""Decentralized SGD (D-PSGD, Lian et al. 2017): each rank steps on its own gradient, then averages
-its weights with its peers instead of averaging gradients with everyone.
+"""Decentralized SGD (D-PSGD, Lian et al. 2017): each rank averages its weights with its peers instead of
+averaging gradients with everyone, and the exchange overlaps with the step's compute (as BAGUA does):
 
-    x <- x - lr * grad(x)                     (the optimizer, no gradient communication)
-    every `communication_interval` steps:
-        x <- average of x over peers           (ring: both neighbours; shift_one: one partner that
-                                                rotates each exchange; all: everyone)
-Replicas differ between exchanges by design; under `ring` their spread shrinks geometrically.
+    forward starts:   send x_t to the peers                            (non-blocking)
+    backward, step:   x' <- x_t - lr * update(grad f(x_t))            (the user's optimizer, local)
+    after the step:   x_{t+1} <- x' + (W x_t - x_t)  =  W x_t - lr * update
+
+W: ``ring`` (both neighbours, 1/3 each), ``shift_one`` (one partner that rotates each exchange, 1/2 each;
+odd P: one rank sits out), ``all`` (everyone). Every ``communication_interval`` steps; in between the
+steps are purely local. Replicas differ by design; under ``ring`` their spread shrinks geometrically.
+
+``compression`` (any registered compressor, e.g. ``minmax_uint8``) sends compressed weight *differences*
+with error compensation instead of weights (CHOCO-gossip, Koloskova et al. 2019; the scheme of BAGUA's
+low-precision decentralized SGD). Every rank keeps x_hat, the copy of its weights its peers know, and
+the sum of its neighbours' copies (neighbours must be fixed: ``ring`` or ``all``):
+
+    forward starts:   q_i <- C(x_t - x_hat_i), send q_i to the neighbours
+    after the step:   x_hat_j <- x_hat_j + D(q_j) for i and every neighbour j
+                      x_{t+1} <- x' + gamma * (mean over i and neighbours of x_hat  -  x_hat_i)
+
+What compression loses stays in x_t - x_hat_i and is sent again next time: nothing is forgotten.
 """
-from bagua_lite import comm
+import torch
+import torch.distributed as dist
+
+from bagua_lite import _C, compressors
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.bucket import FlatWeights
 
@@ -16,16 +32,25 @@ PEER_SELECTIONS = ("ring", "shift_one", "all")
 
 @register("decentralized")
 class Decentralized(Algorithm):
-    def __init__(self, peer_selection: str = "ring", communication_interval: int = 1):
+    def __init__(self, peer_selection: str = "ring", communication_interval: int = 1, compression: str = "none",
+                 consensus_step: float = 1.0):
         super().__init__()
         if peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"decentralized: peer_selection={peer_selection!r} is not allowed; "
+            raise ValueError(f"{self.name}: peer_selection={peer_selection!r} is not allowed; "
                              f"choose one of {', '.join(PEER_SELECTIONS)}")
         if communication_interval < 1:
-            raise ValueError(f"decentralized: communication_interval must be >= 1, got {communication_interval}")
+            raise ValueError(f"{self.name}: communication_interval must be >= 1, got {communication_interval}")
+        self.compressor = compressors.get_compressor(compression, self.name)
+        if self.compressor is not None and peer_selection == "shift_one":
+            raise ValueError(f"{self.name}: compression={compression!r} needs fixed neighbours (each keeps a copy "
+                             f"of what the others know); use peer_selection 'ring' or 'all', not 'shift_one'")
+        if not 0 < consensus_step <= 1:
+            raise ValueError(f"{self.name}: consensus_step (CHOCO's gamma) must be in (0, 1], got {consensus_step}")
         self.peer_selection = peer_selection
         self.communication_interval = communication_interval
+        self.consensus_step = float(consensus_step)
         self.exchanges = 0
+        self._works = None
 
     @property
     def cycle(self):
@@ -33,20 +58,143 @@ class Decentralized(Algorithm):
 
     def init(self, model):
         self.weights = FlatWeights(model._params)
+        self.group = dist.new_group(dist.get_process_group_ranks(model.process_group))  # our p2p traffic only
+        P, me = model.world_size, model.rank
+        self.ring = sorted({(me - 1) % P, (me + 1) % P} - {me})  # one neighbour at P = 2, none at P = 1
+        self.snap = self.weights.gather()  # refilled in place by gather(): x_t, or x_t - x_hat when compressed
+        if self.compressor is None:
+            senders = max(1, len(self.ring)) if self.peer_selection == "ring" else 1
+            self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(senders)]
+            return
+        self.x_hat = [f.clone() for f in self.snap]
+        degree = len(self.ring) if self.peer_selection == "ring" else P - 1
+        self.nbr_sum = [f * degree for f in self.snap]  # every copy starts at the common x_0
+        self.wire = [torch.empty(_aligned(self.compressor.wire_bytes(f.numel())), dtype=torch.uint8) for f in self.snap]
+        senders = len(self.ring) if self.peer_selection == "ring" else P
+        self.recv = [[torch.empty_like(w) for w in self.wire] for _ in range(senders)]
 
     def sync_gradients(self):
         return False
 
-    def after_step(self):
-        if self.step % self.communication_interval:
+    def _peers(self):
+        if self.peer_selection == "shift_one":
+            partner = _C.shift_one_partner(self.model.rank, self.world_size, self.exchanges)
+            return [partner] if partner >= 0 else []
+        return self.ring
+
+    # ---- the exchange: started when forward starts, applied after the optimizer step ---------------------
+    def before_forward(self):
+        if self._works is not None or not torch.is_grad_enabled() or self.world_size == 1 \
+                or (self.step + 1) % self.communication_interval:
             return
-        for flat in self.weights.gather():
-            comm.peer_average(flat, self.peer_selection, self.exchanges, group=self.process_group)
-        self.weights.scatter()
+        self.weights.gather()  # into self.snap
+        send = self.snap
+        if self.compressor is not None:
+            for snap, x_hat, wire in zip(self.snap, self.x_hat, self.wire):
+                snap.sub_(x_hat)
+                self.compressor.compress(snap, wire.narrow(0, 0, self.compressor.wire_bytes(snap.numel())))
+            send = self.wire
+        if self.peer_selection == "all":
+            P = self.world_size
+            if self.compressor is None:
+                self._works = [dist.all_reduce(t, group=self.group, async_op=True) for t in self._sum_buffers()]
+                _C.count_sent(sum(2 * (P - 1) * t.nbytes // P for t in send), len(send))  # ring allreduce
+            else:
+                self._works = [dist.all_gather([r[i] for r in self.recv], w, group=self.group, async_op=True)
+                               for i, w in enumerate(self.wire)]
+                _C.count_sent(sum((P - 1) * t.nbytes for t in send), len(send))  # ring allgather
+            return
+        self._works = []
+        for j, peer in enumerate(self._peers()):
+            for i, t in enumerate(send):
+                self._works.append(self.group.send([t], peer, i))
+                self._works.append(self.group.recv([self.recv[j][i]], peer, i))
+                _C.count_sent(t.nbytes, 1)
+
+    def _sum_buffers(self):
+        for snap, buf in zip(self.snap, self.recv[0]):
+            buf.copy_(snap)
+        return self.recv[0]
+
+    def after_step(self):
+        if self._works is None:
+            return
+        works, self._works = self._works, None
+        for w in works:
+            w.wait()
+        peers = self._peers()
         self.exchanges += 1
+        with torch.no_grad():
+            deltas = self._compressed_deltas() if self.compressor is not None else self._exact_deltas(peers)
+            for (group, _), delta in zip(self.weights.groups, deltas):
+                o = 0
+                for p in group:
+                    p.add_(delta[o:o + p.numel()].view_as(p))
+                    o += p.numel()
+
+    def _exact_deltas(self, peers):
+        """W x_t - x_t per flat group (written into the receive buffers)."""
+        deltas = []
+        for i, snap in enumerate(self.snap):
+            if self.peer_selection == "all":
+                avg = self.recv[0][i].div_(self.world_size)
+            elif not peers:
+                avg = self.recv[0][i].copy_(snap)
+            else:
+                avg = self.recv[0][i]
+                for j in range(1, len(peers)):
+                    avg.add_(self.recv[j][i])
+                avg.add_(snap).div_(len(peers) + 1)
+            deltas.append(avg.sub_(snap))
+        return deltas
+
+    def _compressed_deltas(self):
+        """gamma * (mean of the known copies - own copy) per flat group, after folding in this round's q."""
+        deltas = []
+        for i, (x_hat, nbr_sum, delta) in enumerate(zip(self.x_hat, self.nbr_sum, self.snap)):
+            n = x_hat.numel()
+            size = self.compressor.wire_bytes(n)
+            own = self.model.rank if self.peer_selection == "all" else None
+            for j, recv in enumerate(self.recv):
+                if j != own:
+                    self.compressor.decompress(recv[i].narrow(0, 0, size), nbr_sum, accumulate=True)
+            self.compressor.decompress(self.wire[i].narrow(0, 0, size), x_hat, accumulate=True)
+            degree = len(self.recv) - (own is not None)
+            torch.add(nbr_sum, x_hat, out=delta).div_(degree + 1).sub_(x_hat).mul_(self.consensus_step)
+            deltas.append(delta)
+        return deltas
+
+    def close(self):
+        if self._works is not None:  # an exchange in flight: finish it so peers are not left waiting
+            for w in self._works:
+                w.wait()
+            self._works = None
 
     def state_dict(self):
-        return {"step": self.step, "exchanges": self.exchanges}
+        state = {"step": self.step, "exchanges": self.exchanges}
+        if self.compressor is not None:
+            state.update(x_hat=[t.clone() for t in self.x_hat], nbr_sum=[t.clone() for t in self.nbr_sum])
+        return state
 
     def load_state_dict(self, state):
         self.step, self.exchanges = int(state["step"]), int(state["exchanges"])
+        if self.compressor is not None:
+            for dst, src in zip(self.x_hat + self.nbr_sum, state["x_hat"] + state["nbr_sum"]):
+                dst.copy_(src)
+
+
+@register("low_precision_decentralized")
+class LowPrecisionDecentralized(Decentralized):
+    """BAGUA's low-precision decentralized SGD: ``decentralized`` on a ring exchanging weight differences
+    compressed to uint8 with error compensation (the defaults; every option of ``decentralized`` applies)."""
+
+    def __init__(self, peer_selection: str = "ring", communication_interval: int = 1,
+                 compression: str = "minmax_uint8", consensus_step: float = 1.0):
+        if compression == "none":
+            raise ValueError("low_precision_decentralized: compression must be a compressor, not 'none' "
+                             "(that is plain decentralized)")
+        super().__init__(peer_selection, communication_interval, compression, consensus_step)
+
+
+def _aligned(nbytes):
+    return (nbytes + 7) // 8 * 8

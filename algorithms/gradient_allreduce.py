@@ -1,8 +1,10 @@
 """Dense synchronous SGD: every gradient bucket is averaged over all ranks each step.
 
 Options:
-``compression``    ``none`` | ``fp16`` | ``minmax_uint8`` (BAGUA's ByteGrad: chunks quantized to uint8
-                   over their [min, max], reduce-scattered and allgathered compressed).
+``compression``    ``none`` or any registered compressor (``fp16``, ``bf16``, ``minmax_uint8`` -- BAGUA's
+                   ByteGrad: chunks quantized to uint8 over their [min, max], reduce-scattered and
+                   allgathered compressed --, ``sign``, a user's). A compressor that asks for error
+                   feedback (``sign``) gets a residual per bucket, kept here, not in the compressor.
 ``hierarchical``   reduce inside each node, allreduce among node leaders, broadcast inside each node.
 ``ranks_per_node`` node size for ``hierarchical`` (0: torchrun's ``LOCAL_WORLD_SIZE``); set it to test
                    the hierarchy on one machine.
@@ -11,19 +13,17 @@ import os
 
 import torch.distributed as dist
 
-from bagua_lite import comm
-from bagua_lite.algorithm import Algorithm, fill_slot, register
+import torch
 
-COMPRESSIONS = ("none", "fp16", "minmax_uint8")
+from bagua_lite import comm, compressors
+from bagua_lite.algorithm import Algorithm, fill_slot, register
 
 
 @register("gradient_allreduce")
 class GradientAllReduce(Algorithm):
     def __init__(self, compression: str = "none", hierarchical: bool = False, ranks_per_node: int = 0):
         super().__init__()
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"gradient_allreduce: compression={compression!r} is not allowed; "
-                             f"choose one of {', '.join(COMPRESSIONS)}")
+        self.compressor = compressors.get_compressor(compression, "gradient_allreduce")
         if ranks_per_node < 0:
             raise ValueError(f"gradient_allreduce: ranks_per_node must be >= 0, got {ranks_per_node}")
         self.compression = compression
@@ -31,6 +31,8 @@ class GradientAllReduce(Algorithm):
         self.ranks_per_node = ranks_per_node
 
     def init(self, model):
+        feedback = self.compressor is not None and self.compressor.error_feedback
+        self.residuals = [torch.zeros_like(b.flat) if feedback else None for b in model.buckets]
         if not self.hierarchical:
             return
         n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
@@ -58,14 +60,25 @@ class GradientAllReduce(Algorithm):
             return [self._hierarchical_allreduce]
         if self.compression == "none":
             return [self.native.AllreduceOp(self.process_group, False)]  # pre-scaled in on_gradient
-        return [self.native.CompressedAllreduceOp(self.process_group, self.compression, True)]
+        residual = self.residuals[bucket.index]
+        if self.compressor.native:
+            return [self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]
+
+        def compressed_allreduce(flat):  # a user's Python compressor
+            comm.compressed_allreduce(flat, self.compressor, group=self.process_group, residual=residual)
+        return [compressed_allreduce]
+
+    def state_dict(self):
+        return {"step": self.step, "residuals": [r.clone() for r in self.residuals if r is not None]}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        for dst, src in zip([r for r in self.residuals if r is not None], state.get("residuals", [])):
+            dst.copy_(src)
 
     def _hierarchical_allreduce(self, flat):
         dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node
         if self.inter is not None:                                        # 2. leaders: sum across nodes
-            if self.compression == "none":
-                comm.allreduce(flat, "sum", group=self.inter)
-            else:
-                comm.compressed_allreduce(flat, self.compression, group=self.inter, op="sum")
+            comm.compressed_allreduce(flat, self.compression, group=self.inter, op="sum")  # "none": dense
         comm.broadcast(flat, 0, group=self.intra)                         # 3. leader -> node
         flat.div_(self.world_size)

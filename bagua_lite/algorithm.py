@@ -24,6 +24,8 @@ Hooks, in the order of one training step:
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
 ``after_backward()``       after all buckets of a synchronised backward finished
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
+``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
+                           (an exchange in flight, a background thread)
 ``state_dict()`` / ``load_state_dict()``  the algorithm's own state (residuals, counters)
 ``asynchronous``           True for a relaxation whose ranks do not wait for each other every step
                            (asynchronous model averaging): a benchmark must not synchronise its ranks
@@ -87,6 +89,9 @@ class Algorithm:
 
     def after_step(self) -> None:
         pass
+
+    def close(self) -> None:
+        """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""
 
     # ---- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

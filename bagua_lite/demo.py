@@ -143,11 +143,11 @@ def main(argv=None):
              for r in range(args.world_size)]
     for p in procs:
         p.start()
-    print(f"{'config':<28}{'algorithm':<60}{'ms/step':>9}{'loss':>9}{'test acc':>10}")
+    print(f"{"config":<36}{'algorithm':<60}{'ms/step':>9}{'loss':>9}{'test acc':>10}")
     for _ in paths:
         path, res = _next_result(out, procs)
         alg = repr(bagua_lite.load_config(path).algorithm)
-        print(f"{os.path.basename(path):<28}{alg[:58]:<60}{res['s_per_step'] * 1e3:>9.2f}"
+        print(f"{os.path.basename(path):<36}{alg[:58]:<60}{res['s_per_step'] * 1e3:>9.2f}"
               f"{res['final_loss']:>9.4f}{res['accuracy']:>10.4f}", flush=True)
     for p in procs:
         p.join()

@@ -126,11 +126,14 @@ class DistributedModel(torch.nn.Module):
             self._sync_enabled = old
 
     def close(self):
-        """Remove hooks and stop the engine thread."""
+        """Remove hooks, end the algorithm's own work (``Algorithm.close``) and stop the engine thread."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self._engine.shutdown()
+        try:
+            self.algorithm.close()
+        finally:
+            self._engine.shutdown()
 
     def algorithm_state_dict(self) -> dict:
         return self.algorithm.state_dict()

@@ -33,6 +33,8 @@ import bagua_lite.algorithms
 from bagua_lite import comm
 from bagua_lite.algorithm import build
 
+from test_compressors import AbsMax4  # noqa: F401  (registers the user compressor "absmax4_test")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = (2, 3, 4)
 
@@ -246,6 +248,9 @@ CENTRALIZED = {
     "ga_none": ("gradient_allreduce", {}),
     "ga_fp16": ("gradient_allreduce", {"compression": "fp16"}),
     "ga_minmax_uint8": ("gradient_allreduce", {"compression": "minmax_uint8"}),
+    "ga_bf16": ("gradient_allreduce", {"compression": "bf16"}),
+    "ga_sign_error_feedback": ("gradient_allreduce", {"compression": "sign"}),
+    "ga_user_compressor": ("gradient_allreduce", {"compression": "absmax4_test"}),
     "hierarchical": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2}),
     "hierarchical_fp16": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2,
                                                  "compression": "fp16"}),
@@ -342,29 +347,39 @@ def test_error_feedback_conserves_gradient_mass(clusters, P):
         assert err < 1e-4, f"{label}: sum of gradients != residuals + P * applied update (max error {err})"
 
 
-def _r_decentralized(rank, P):
-    out = {}
-    # all-peer averaging every step: identical right after every step
-    out["all"] = _train_hashes(rank, "decentralized", {"peer_selection": "all"}, 4)["hashes"]
-    # communication_interval 3 with `all`: identical after steps 3 and 6 only
-    out["interval"] = _train_hashes(rank, "decentralized", {"peer_selection": "all", "communication_interval": 3},
-                                    7)["hashes"]
-    # shift_one: partners of each exchange agree right after it
-    out["shift_one"] = _train_hashes(rank, "decentralized", {"peer_selection": "shift_one"}, 5, flats=True)["weights"]
+def _local_grad(net, x, y):
+    """This rank's gradient at the current weights, on a fresh copy (no hooks, no communication)."""
+    ref = _mlp()
+    ref.load_state_dict(net.state_dict())
+    F.cross_entropy(ref(x), y).backward()
+    return torch.cat([p.grad.reshape(-1) for p in ref.parameters()])
 
-    # ring: diverge with local training (different data per rank, no averaging for 6 steps), then pure
-    # averaging rounds (lr = 0): the spread must shrink every round and the mean must be kept
+
+def _mix(mode, rank, P, everyone, exchange):
+    """W x_t for this rank, from every rank's x_t."""
+    if mode == "all":
+        return torch.stack(everyone).mean(0)
+    if mode == "shift_one":
+        partner = bagua_lite._C.shift_one_partner(rank, P, exchange)
+        return everyone[rank] if partner < 0 else (everyone[rank] + everyone[partner]) / 2
+    peers = sorted({(rank - 1) % P, (rank + 1) % P} - {rank})
+    return (everyone[rank] + sum(everyone[j] for j in peers)) / (len(peers) + 1)
+
+
+def _ring_rounds(rank, name, **options):
+    """Diverge with local training (different data per rank, no averaging for 5 steps), then pure
+    averaging rounds (lr = 0): returns the weights before the first round and after each round."""
     net = _mlp()
     opt = _sgd(net, lr=0.1, momentum=0.0)
-    model = bagua_lite.DistributedModel(net, opt, build("decentralized", peer_selection="ring",
-                                                        communication_interval=6), bucket_size_mb=0.01)
+    model = bagua_lite.DistributedModel(net, opt, build(name, peer_selection="ring", communication_interval=6,
+                                                        **options), bucket_size_mb=0.01)
     for s in range(5):
         x, y = _batch(rank, s)
         _step(model, opt, x, y)
     diverged = _flat(net)
     x, y = _batch(rank, 5)
-    _step(model, opt, x, y)  # the 6th step: its update, then the first averaging round
-    rounds = [diverged, _flat(net)]
+    _step(model, opt, x, y)  # the 6th step: its update and the first averaging round (W x_5 - lr g)
+    rounds = [_flat(net)]
     model.algorithm.communication_interval = 1
     for g in opt.param_groups:
         g["lr"] = 0.0
@@ -373,8 +388,34 @@ def _r_decentralized(rank, P):
         _step(model, opt, x, y)
         rounds.append(_flat(net))
     model.close()
-    out["ring_diverged_before_6th"] = diverged
-    out["ring_rounds"] = rounds[1:]  # after round 1 .. 9 (the first includes the 6th step's update)
+    return diverged, rounds
+
+
+def _r_decentralized(rank, P):
+    out = {}
+    # Every step against the reference x_{t+1} = W x_t - lr * grad f_rank(x_t) (plain SGD), W per mode;
+    # with communication_interval 3 the steps in between are purely local.
+    lr = 0.1
+    for mode, interval in (("ring", 1), ("shift_one", 1), ("all", 1), ("all", 3), ("ring", 2)):
+        net = _mlp()
+        opt = _sgd(net, lr=lr, momentum=0.0)
+        model = bagua_lite.DistributedModel(net, opt, build("decentralized", peer_selection=mode,
+                                                            communication_interval=interval), bucket_size_mb=0.01)
+        errs, moved = [], 0.0
+        for s in range(6):
+            x, y = _batch(rank, s)
+            before, g = _flat(net), _local_grad(net, x, y)
+            exchange = model.algorithm.exchanges
+            _step(model, opt, x, y)
+            everyone = [torch.zeros_like(before) for _ in range(P)]
+            dist.all_gather(everyone, before)
+            mixed = _mix(mode, rank, P, everyone, exchange) if (s + 1) % interval == 0 else before
+            errs.append(float((_flat(net) - (mixed - lr * g)).abs().max()))
+            moved = max(moved, float((_flat(net) - before).abs().max()))
+        model.close()
+        out[f"{mode}/{interval}"] = (max(errs), moved, model.algorithm.exchanges)
+    out["ring_diverged"], out["ring_rounds"] = _ring_rounds(rank, "decentralized")
+    out["lp_diverged"], out["lp_rounds"] = _ring_rounds(rank, "low_precision_decentralized")
     return out
 
 
@@ -386,55 +427,45 @@ def _spread(ws):
 @pytest.mark.parametrize("P", WORLD, ids=lambda p: f"P{p}")
 def test_decentralized(clusters, P):
     res = clusters.get(P).run(_r_decentralized, timeout=120)
-    for s in range(4):
-        assert len({r["all"][s] for r in res}) == 1, f"peer_selection=all: replicas differ after step {s + 1}"
-    for s in range(7):
-        distinct = len({r["interval"][s] for r in res})
-        if (s + 1) % 3 == 0:
-            assert distinct == 1, f"communication_interval=3: replicas differ right after sync step {s + 1}"
-        else:
-            assert distinct == P, f"communication_interval=3: replicas agree after step {s + 1} (no sync due)"
-    for e in range(5):
-        ws = [r["shift_one"][e] for r in res]
-        paired = 0
-        for rank in range(P):
-            partner = bagua_lite._C.shift_one_partner(rank, P, e)
-            if partner < 0:
-                continue
-            paired += 1
-            assert torch.equal(ws[rank], ws[partner]), f"shift_one exchange {e}: ranks {rank} and {partner} differ"
-        assert paired >= P - 1
-        assert _spread(ws) > 0 or P == 2, f"shift_one exchange {e}: every replica identical (not a partial average)"
-    # ring: spread over pure averaging rounds
-    spreads = [_spread([r["ring_rounds"][i] for r in res]) for i in range(len(res[0]["ring_rounds"]))]
-    start = _spread([r["ring_diverged_before_6th"] for r in res])
-    assert start > 1e-3, f"replicas did not diverge before averaging (spread {start})"
-    pure = spreads  # every round here is pure averaging (lr = 0) except the first
-    floor = 1e-6    # consensus up to float rounding (ranks sum their neighbours in different orders)
-    for i in range(1, len(pure)):
-        if pure[i - 1] <= floor:
-            assert pure[i] <= floor, f"ring: replicas drifted apart again in round {i + 1}: {pure}"
-        else:
-            assert pure[i] < pure[i - 1], f"ring: spread grew in averaging round {i + 1}: {pure}"
-    assert pure[-1] <= max(1e-3 * start, floor), f"ring: spread did not shrink geometrically: {start} {pure}"
-    if P == 4:
-        # W = (L + I + R)/3 on a 4-ring: the disagreement shrinks by 1/3 per round (second eigenvalue)
-        ratios = [pure[i] / pure[i - 1] for i in range(2, 5)]
-        assert all(r < 0.4 for r in ratios), f"ring P=4: spread ratios {ratios}, expected <= 1/3"
-        # not a global average: one round from diverged replicas does not reach consensus
-        assert pure[0] > 1e-4
-    means = [torch.stack([r["ring_rounds"][i] for r in res]).double().mean(0) for i in range(len(pure))]
-    for i in range(2, len(means)):
-        assert float((means[i] - means[1]).abs().max()) < 1e-5, "ring averaging does not keep the mean"
+    for key in ("ring/1", "shift_one/1", "all/1", "all/3", "ring/2"):
+        for r, out in enumerate(res):
+            err, moved, exchanges = out[key]
+            assert moved > 1e-3, f"{key}: rank {r} barely moved ({moved})"
+            assert err < 1e-5, f"{key}: rank {r} differs from W x_t - lr g by {err}"
+            interval = int(key.split("/")[1])
+            assert exchanges == (6 // interval if P > 1 else 0), f"{key}: {exchanges} exchanges"
+    # ring, pure averaging rounds: the spread shrinks every round and the mean is kept
+    for prefix, floor in (("ring", 1e-6), ("lp", 1e-4)):
+        start = _spread([r[f"{prefix}_diverged"] for r in res])
+        pure = [_spread([r[f"{prefix}_rounds"][i] for r in res]) for i in range(len(res[0][f"{prefix}_rounds"]))]
+        if P == 1:
+            assert max(pure) == 0
+            continue
+        assert start > 1e-3, f"{prefix}: replicas did not diverge before averaging (spread {start})"
+        for i in range(2, len(pure)):
+            if pure[i - 1] <= floor:
+                assert pure[i] <= floor * 3, f"{prefix}: replicas drifted apart again in round {i + 1}: {pure}"
+            elif prefix == "ring":
+                assert pure[i] < pure[i - 1], f"{prefix}: spread grew in averaging round {i + 1}: {pure}"
+        assert pure[-1] <= max(1e-3 * start, floor), f"{prefix}: spread did not shrink: {start} {pure}"
+        if prefix == "ring" and P == 4:
+            # W = (L + I + R)/3 on a 4-ring: the disagreement shrinks by 1/3 per round (second eigenvalue)
+            ratios = [pure[i] / pure[i - 1] for i in range(2, 5)]
+            assert all(r < 0.4 for r in ratios), f"ring P=4: spread ratios {ratios}, expected <= 1/3"
+            assert pure[0] > 1e-4  # not a global average: one round does not reach consensus
+        means = [torch.stack([r[f"{prefix}_rounds"][i] for r in res]).double().mean(0) for i in range(len(pure))]
+        for i in range(2, len(means)):
+            assert float((means[i] - means[1]).abs().max()) < 1e-5, f"{prefix}: averaging does not keep the mean"
 
 
-def _r_local_sgd(rank, P):
-    return _train_hashes(rank, "local_sgd", {"period": 3, "warmup_steps": 4}, 11)["hashes"]
+def _r_local_sgd(rank, P, compression):
+    return _train_hashes(rank, "local_sgd", {"period": 3, "warmup_steps": 4, "compression": compression}, 11)["hashes"]
 
 
+@pytest.mark.parametrize("compression", ["none", "minmax_uint8", "absmax4_test"])
 @pytest.mark.parametrize("P", WORLD, ids=lambda p: f"P{p}")
-def test_local_sgd(clusters, P):
-    res = clusters.get(P).run(_r_local_sgd, timeout=60)
+def test_local_sgd(clusters, P, compression):
+    res = clusters.get(P).run(_r_local_sgd, compression, timeout=60)
     for s in range(11):
         step = s + 1
         distinct = len({r[s] for r in res})

@@ -1,0 +1,86 @@
+"""Averaging model weights over a group, dense or compressed: the "weights travel" axis that local SGD
+and asynchronous model averaging share.
+
+Dense:       x <- mean_r x_r                                   (one allreduce of the flat weights)
+Compressed:  every rank holds the same anchor a (the last average, identical everywhere) and sends
+             only the change since then, compressed with error feedback e_r:
+                 d_r <- x_r - a ;  avg <- a + compressed_allreduce(d_r, residual=e_r)
+                 a <- avg
+             The weights themselves are never quantized, only how far each rank moved; what the
+             compression lost stays in e_r and is sent at the next average.
+
+``snapshot()``, ``reduce()`` and ``apply()`` are separate so an asynchronous caller can copy the weights
+under a lock, communicate without it, and then add ``average - snapshot`` to weights that went on
+training meanwhile (``apply(delta=True)``). A synchronous caller sets the weights to the average
+(``apply(delta=False)``), which keeps replicas bit-identical.
+"""
+from typing import List, Optional
+
+import torch
+
+from . import comm, compressors
+from .bucket import FlatWeights
+
+
+class WeightAverager:
+    def __init__(self, params: List[torch.nn.Parameter], compression="none", who: str = "averaging"):
+        self.weights = FlatWeights(params)
+        self.compressor = compressors.get_compressor(compression, who)
+        self.snaps = [flat.clone() for flat in self.weights.gather()]  # x at snapshot()
+        self.work = [torch.empty_like(f) for f in self.snaps]           # the average, once reduced
+        if self.compressor is not None:
+            self.anchors = [f.clone() for f in self.snaps]  # identical on all ranks (weights start equal)
+            self.residuals = [torch.zeros_like(f) for f in self.snaps]
+
+    def reset_anchor(self) -> None:
+        """Make the current weights the anchor (call where every replica holds the same weights)."""
+        if self.compressor is not None:
+            for anchor, residual, flat in zip(self.anchors, self.residuals, self.weights.gather()):
+                anchor.copy_(flat)
+                residual.zero_()
+
+    def snapshot(self) -> None:
+        """Copy the current weights (call under the caller's lock if others may step meanwhile)."""
+        for snap, flat in zip(self.snaps, self.weights.gather()):
+            snap.copy_(flat)
+
+    def reduce(self, group) -> None:
+        """Average the snapshot over ``group`` into the work buffers (collective: every rank calls it)."""
+        for i, (snap, work) in enumerate(zip(self.snaps, self.work)):
+            if self.compressor is None:
+                work.copy_(snap)
+                comm.allreduce(work, "avg", group=group)
+            else:
+                torch.sub(snap, self.anchors[i], out=work)
+                comm.compressed_allreduce(work, self.compressor, group=group, residual=self.residuals[i])
+                work.add_(self.anchors[i])
+                self.anchors[i].copy_(work)
+
+    def apply(self, delta: bool) -> None:
+        """Write the average into the parameters: ``x <- avg`` or, with ``delta``, ``x <- x + avg - snapshot``."""
+        with torch.no_grad():
+            for (group, _), snap, work in zip(self.weights.groups, self.snaps, self.work):
+                if delta:
+                    work.sub_(snap)  # the work buffer becomes avg - snapshot (no temporaries)
+                o = 0
+                for p in group:
+                    n = p.numel()
+                    p.add_(work[o:o + n].view_as(p)) if delta else p.copy_(work[o:o + n].view_as(p))
+                    o += n
+
+    def average(self, group) -> None:
+        """Synchronous: snapshot, reduce, set every replica to the average."""
+        self.snapshot()
+        self.reduce(group)
+        self.apply(delta=False)
+
+    def state_dict(self) -> dict:
+        if self.compressor is None:
+            return {}
+        return {"anchors": [a.clone() for a in self.anchors], "residuals": [r.clone() for r in self.residuals]}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        if self.compressor is None or not state:
+            return
+        for dst, src in zip(self.anchors + self.residuals, state["anchors"] + state["residuals"]):
+            dst.copy_(src)
