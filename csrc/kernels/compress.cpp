@@ -60,7 +60,7 @@ class SignCompressor final : public Compressor {
     float scale = 0.f;
     if (n > 0) {
       auto xf = x.reshape(-1);
-      double mean_abs = xf.abs().sum(at::kDouble).item<double>() / static_cast<double>(n);
+      double mean_abs = xf.norm(1).item<double>() / static_cast<double>(n);  // no |x| temporary
       BL_CHECK(std::isfinite(mean_abs), "sign compress: input must be finite (mean |x| = ", mean_abs, ")");
       scale = static_cast<float>(mean_abs);
       auto bits = out.narrow(0, kHeader, (n + 7) / 8);
@@ -130,44 +130,34 @@ class MinMaxUInt8Compressor final : public Compressor {
     if (!x.device().is_cpu()) return compress_aten(x, out);
     float header[2] = {0.f, 0.f};
     uint8_t* q = out.data_ptr<uint8_t>() + kHeader;
+    if (n > 0) {
+      // ATen's vectorized min/max in one pass; a NaN propagates into it, so the check below rejects it.
+      auto mm = at::aminmax(x.reshape(-1));
+      header[0] = std::get<0>(mm).item<float>();
+      header[1] = std::get<1>(mm).item<float>();
+      BL_CHECK(std::isfinite(header[0]) && std::isfinite(header[1]),
+               "minmax_uint8 compress: input must be finite (min=", header[0], ", max=", header[1], ")");
+    }
+    const float lo = header[0], range = header[1] - header[0];
+    const float scale = range > 0.f ? 255.f / range : 0.f;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "minmax_uint8_compress", [&] {
       const scalar_t* p = x.const_data_ptr<scalar_t>();
-      float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-      if (n > 0) {
-        // Parallel min/max, then one quantization pass. A NaN must survive the reduction (std::min and
-        // std::max drop it) so that the finiteness check below rejects it.
-        auto nan_min = [](float a, float b) { return (b < a || b != b) ? b : a; };
-        auto nan_max = [](float a, float b) { return (b > a || b != b) ? b : a; };
-        std::tie(lo, hi) = at::parallel_reduce(
-            0, n, 1 << 16, std::make_pair(lo, hi),
-            [&](int64_t b, int64_t e, std::pair<float, float> acc) {
-              float l = acc.first, h = acc.second;
-              for (int64_t i = b; i < e; ++i) {
-                float v = static_cast<float>(p[i]);
-                l = nan_min(l, v);
-                h = nan_max(h, v);
-              }
-              return std::make_pair(l, h);
-            },
-            [&](std::pair<float, float> a, std::pair<float, float> b) {
-              return std::make_pair(nan_min(a.first, b.first), nan_max(a.second, b.second));
-            });
-        BL_CHECK(std::isfinite(lo) && std::isfinite(hi),
-                 "minmax_uint8 compress: input must be finite (min=", lo, ", max=", hi, ")");
-      } else {
-        lo = hi = 0.f;
-      }
-      const float range = hi - lo;
-      const float scale = range > 0.f ? 255.f / range : 0.f;
       at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+        // Branch-free and alias-free (a uint8 store may alias anything, so without locals and
+        // __restrict__ lo and scale would be reloaded every element), so the compiler vectorizes it:
+        // clamp to [0, 255], round to nearest even (adding and subtracting 1.5 * 2^23 rounds in the FPU's
+        // default mode, like nearbyint, without a library call), convert the exact integer.
+        const float lo_ = lo, scale_ = scale;
+        const scalar_t* __restrict__ src = p;
+        uint8_t* __restrict__ dst = q;
         for (int64_t i = b; i < e; ++i) {
-          float v = (static_cast<float>(p[i]) - lo) * scale;
-          v = std::min(std::max(v, 0.f), 255.f);
-          q[i] = static_cast<uint8_t>(std::nearbyint(v));
+          float v = (static_cast<float>(src[i]) - lo_) * scale_;
+          v = v < 0.f ? 0.f : v;
+          v = v > 255.f ? 255.f : v;
+          v = (v + 12582912.f) - 12582912.f;
+          dst[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
         }
       });
-      header[0] = lo;
-      header[1] = hi;
     });
     std::memcpy(out.data_ptr<uint8_t>(), header, kHeader);
   }
