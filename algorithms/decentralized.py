@@ -5,14 +5,16 @@ averaging gradients with everyone, and the exchange overlaps with the step's com
     backward, step:   x' <- x_t - lr * update(grad f(x_t))            (the user's optimizer, local)
     after the step:   x_{t+1} <- x' + (W x_t - x_t)  =  W x_t - lr * update
 
-W: ``ring`` (both neighbours, 1/3 each), ``shift_one`` (one partner that rotates each exchange, 1/2 each;
-odd P: one rank sits out), ``all`` (everyone). Every ``communication_interval`` steps; in between the
+W: ``ring`` (both neighbours, 1/3 each), ``ring_one_way`` (send to the right neighbour, receive from the
+left, 1/2 each: W = (I + shift) / 2 is doubly stochastic, so the mean is kept, at half the bytes and
+decompression work of ``ring``), ``shift_one`` (one partner that rotates each exchange, 1/2 each; odd P:
+one rank sits out), ``all`` (everyone). Every ``communication_interval`` steps; in between the
 steps are purely local. Replicas differ by design; under ``ring`` their spread shrinks geometrically.
 
 ``compression`` (any registered compressor, e.g. ``minmax_uint8``) sends compressed weight *differences*
 with error compensation instead of weights (CHOCO-gossip, Koloskova et al. 2019; the scheme of BAGUA's
 low-precision decentralized SGD). Every rank keeps x_hat, the copy of its weights its peers know, and
-the sum of its neighbours' copies (neighbours must be fixed: ``ring`` or ``all``):
+the sum of the copies it receives (neighbours must be fixed: ``ring``, ``ring_one_way`` or ``all``):
 
     forward starts:   q_i <- C(x_t - x_hat_i), send q_i to the neighbours
     after the step:   x_hat_j <- x_hat_j + D(q_j) for i and every neighbour j
@@ -27,7 +29,7 @@ from bagua_lite import _C, compressors
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.bucket import FlatWeights
 
-PEER_SELECTIONS = ("ring", "shift_one", "all")
+PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
 
 
 @register("decentralized")
@@ -43,7 +45,7 @@ class Decentralized(Algorithm):
         self.compressor = compressors.get_compressor(compression, self.name)
         if self.compressor is not None and peer_selection == "shift_one":
             raise ValueError(f"{self.name}: compression={compression!r} needs fixed neighbours (each keeps a copy "
-                             f"of what the others know); use peer_selection 'ring' or 'all', not 'shift_one'")
+                             f"of what the others know); use peer_selection 'ring', 'ring_one_way' or 'all', not 'shift_one'")
         if not 0 < consensus_step <= 1:
             raise ValueError(f"{self.name}: consensus_step (CHOCO's gamma) must be in (0, 1], got {consensus_step}")
         self.peer_selection = peer_selection
@@ -64,38 +66,46 @@ class Decentralized(Algorithm):
         ranks = dist.get_process_group_ranks(model.process_group)
         self.group, self.down = dist.new_group(ranks), dist.new_group(ranks)  # group: lower -> higher rank
         P, me = model.world_size, model.rank
-        self.ring = sorted({(me - 1) % P, (me + 1) % P} - {me})  # one neighbour at P = 2, none at P = 1
+        # fixed neighbours as (send to, receive from); one neighbour at P = 2, none at P = 1
+        both = sorted({(me - 1) % P, (me + 1) % P} - {me})
+        one_way = ([(me + 1) % P], [(me - 1) % P]) if P > 1 else ([], [])
+        self.fixed = one_way if self.peer_selection == "ring_one_way" else (both, both)
         self.snap = self.weights.gather()  # refilled in place by gather(): x_t, or x_t - x_hat when compressed
         if self.compressor is None:
-            senders = max(1, len(self.ring)) if self.peer_selection == "ring" else 1
+            senders = max(1, len(self.fixed[1])) if self.peer_selection.startswith("ring") else 1
             self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(senders)]
             return
         self.x_hat = [f.clone() for f in self.snap]
-        degree = len(self.ring) if self.peer_selection == "ring" else P - 1
+        degree = len(self.fixed[1]) if self.peer_selection != "all" else P - 1
         self.nbr_sum = [f * degree for f in self.snap]  # every copy starts at the common x_0
         self.wire = [torch.empty(_aligned(self.compressor.wire_bytes(f.numel())), dtype=torch.uint8) for f in self.snap]
-        senders = len(self.ring) if self.peer_selection == "ring" else P
+        senders = degree if self.peer_selection != "all" else P
         self.recv = [[torch.empty_like(w) for w in self.wire] for _ in range(senders)]
 
     def sync_gradients(self):
         return False
 
     def _peers(self):
+        """(ranks this rank sends to, ranks it receives from) in this exchange."""
         if self.peer_selection == "shift_one":
             partner = _C.shift_one_partner(self.model.rank, self.world_size, self.exchanges)
-            return [partner] if partner >= 0 else []
-        return self.ring
+            return ([partner], [partner]) if partner >= 0 else ([], [])
+        return self.fixed
 
     # ---- the exchange: started when forward starts, applied after the optimizer step ---------------------
     def before_forward(self):
         if self._works is not None or not torch.is_grad_enabled() or self.world_size == 1 \
                 or (self.step + 1) % self.communication_interval:
             return
-        self.weights.gather()  # into self.snap
         send = self.snap
-        if self.compressor is not None:
-            for snap, x_hat, wire in zip(self.snap, self.x_hat, self.wire):
-                snap.sub_(x_hat)
+        if self.compressor is None:
+            self.weights.gather()  # x_t, into self.snap
+        else:
+            for (group, _), snap, x_hat, wire in zip(self.weights.groups, self.snap, self.x_hat, self.wire):
+                o = 0
+                for p in group:  # x_t - x_hat in one pass, straight from the parameters
+                    torch.sub(p.detach().reshape(-1), x_hat[o:o + p.numel()], out=snap[o:o + p.numel()])
+                    o += p.numel()
                 self.compressor.compress(snap, wire.narrow(0, 0, self.compressor.wire_bytes(snap.numel())))
             send = self.wire
         if self.peer_selection == "all":
@@ -110,11 +120,13 @@ class Decentralized(Algorithm):
             return
         self._works = []
         me = self.model.rank
-        for j, peer in enumerate(self._peers()):
-            for i, t in enumerate(send):
+        to, frm = self._peers()
+        for i, t in enumerate(send):
+            for peer in to:
                 self._works.append((self.group if me < peer else self.down).send([t], peer, i))
-                self._works.append((self.group if peer < me else self.down).recv([self.recv[j][i]], peer, i))
                 _C.count_sent(t.nbytes, 1)
+            for j, peer in enumerate(frm):
+                self._works.append((self.group if peer < me else self.down).recv([self.recv[j][i]], peer, i))
 
     def _sum_buffers(self):
         for snap, buf in zip(self.snap, self.recv[0]):
@@ -127,34 +139,38 @@ class Decentralized(Algorithm):
         works, self._works = self._works, None
         for w in works:
             w.wait()
-        peers = self._peers()
+        peers = self._peers()[1]
         self.exchanges += 1
         with torch.no_grad():
             deltas = self._compressed_deltas() if self.compressor is not None else self._exact_deltas(peers)
-            for (group, _), delta in zip(self.weights.groups, deltas):
+            for (group, _), (delta, scale) in zip(self.weights.groups, deltas):
+                if delta is None:
+                    continue
                 o = 0
                 for p in group:
-                    p.add_(delta[o:o + p.numel()].view_as(p))
+                    p.add_(delta[o:o + p.numel()].view_as(p), alpha=scale)
                     o += p.numel()
 
     def _exact_deltas(self, peers):
-        """W x_t - x_t per flat group (written into the receive buffers)."""
+        """(buffer, scale) per flat group with W x_t - x_t = scale * buffer: for k peers (or all P ranks)
+        the buffer is sum(x_peers) - k x_t, the scale 1 / (k + 1), two passes at most."""
         deltas = []
         for i, snap in enumerate(self.snap):
-            if self.peer_selection == "all":
-                avg = self.recv[0][i].div_(self.world_size)
-            elif not peers:
-                avg = self.recv[0][i].copy_(snap)
-            else:
-                avg = self.recv[0][i]
-                for j in range(1, len(peers)):
-                    avg.add_(self.recv[j][i])
-                avg.add_(snap).div_(len(peers) + 1)
-            deltas.append(avg.sub_(snap))
+            buf = self.recv[0][i]
+            if self.peer_selection == "all":  # buf holds the sum over all P ranks
+                deltas.append((buf.add_(snap, alpha=-self.world_size), 1.0 / self.world_size))
+                continue
+            if not peers:  # odd P under shift_one: this rank sits the exchange out
+                deltas.append((None, 0.0))
+                continue
+            for j in range(1, len(peers)):
+                buf.add_(self.recv[j][i])
+            deltas.append((buf.add_(snap, alpha=-len(peers)), 1.0 / (len(peers) + 1)))
         return deltas
 
     def _compressed_deltas(self):
-        """gamma * (mean of the known copies - own copy) per flat group, after folding in this round's q."""
+        """(buffer, scale) per flat group: gamma * (mean of the known copies - own copy), after folding in
+        this round's q; for d neighbours that is gamma / (d + 1) * (sum of neighbours' copies - d x_hat)."""
         deltas = []
         for i, (x_hat, nbr_sum, delta) in enumerate(zip(self.x_hat, self.nbr_sum, self.snap)):
             n = x_hat.numel()
@@ -165,8 +181,8 @@ class Decentralized(Algorithm):
                     self.compressor.decompress(recv[i].narrow(0, 0, size), nbr_sum, accumulate=True)
             self.compressor.decompress(self.wire[i].narrow(0, 0, size), x_hat, accumulate=True)
             degree = len(self.recv) - (own is not None)
-            torch.add(nbr_sum, x_hat, out=delta).div_(degree + 1).sub_(x_hat).mul_(self.consensus_step)
-            deltas.append(delta)
+            torch.add(nbr_sum, x_hat, alpha=-degree, out=delta)
+            deltas.append((delta, self.consensus_step / (degree + 1)))
         return deltas
 
     def close(self):

@@ -362,16 +362,19 @@ def _mix(mode, rank, P, everyone, exchange):
     if mode == "shift_one":
         partner = bagua_lite._C.shift_one_partner(rank, P, exchange)
         return everyone[rank] if partner < 0 else (everyone[rank] + everyone[partner]) / 2
-    peers = sorted({(rank - 1) % P, (rank + 1) % P} - {rank})
+    if mode == "ring_one_way":
+        peers = [(rank - 1) % P] if P > 1 else []
+    else:
+        peers = sorted({(rank - 1) % P, (rank + 1) % P} - {rank})
     return (everyone[rank] + sum(everyone[j] for j in peers)) / (len(peers) + 1)
 
 
-def _ring_rounds(rank, name, **options):
+def _ring_rounds(rank, name, peer_selection="ring", **options):
     """Diverge with local training (different data per rank, no averaging for 5 steps), then pure
     averaging rounds (lr = 0): returns the weights before the first round and after each round."""
     net = _mlp()
     opt = _sgd(net, lr=0.1, momentum=0.0)
-    model = bagua_lite.DistributedModel(net, opt, build(name, peer_selection="ring", communication_interval=6,
+    model = bagua_lite.DistributedModel(net, opt, build(name, peer_selection=peer_selection, communication_interval=6,
                                                         **options), bucket_size_mb=0.01)
     for s in range(5):
         x, y = _batch(rank, s)
@@ -396,7 +399,7 @@ def _r_decentralized(rank, P):
     # Every step against the reference x_{t+1} = W x_t - lr * grad f_rank(x_t) (plain SGD), W per mode;
     # with communication_interval 3 the steps in between are purely local.
     lr = 0.1
-    for mode, interval in (("ring", 1), ("shift_one", 1), ("all", 1), ("all", 3), ("ring", 2)):
+    for mode, interval in (("ring", 1), ("ring_one_way", 1), ("shift_one", 1), ("all", 1), ("all", 3), ("ring", 2)):
         net = _mlp()
         opt = _sgd(net, lr=lr, momentum=0.0)
         model = bagua_lite.DistributedModel(net, opt, build("decentralized", peer_selection=mode,
@@ -416,6 +419,8 @@ def _r_decentralized(rank, P):
         out[f"{mode}/{interval}"] = (max(errs), moved, model.algorithm.exchanges)
     out["ring_diverged"], out["ring_rounds"] = _ring_rounds(rank, "decentralized")
     out["lp_diverged"], out["lp_rounds"] = _ring_rounds(rank, "low_precision_decentralized")
+    out["lp1_diverged"], out["lp1_rounds"] = _ring_rounds(rank, "low_precision_decentralized", "ring_one_way")
+    out["lpall_diverged"], out["lpall_rounds"] = _ring_rounds(rank, "decentralized", "all", compression="fp16")
     return out
 
 
@@ -427,7 +432,7 @@ def _spread(ws):
 @pytest.mark.parametrize("P", WORLD, ids=lambda p: f"P{p}")
 def test_decentralized(clusters, P):
     res = clusters.get(P).run(_r_decentralized, timeout=120)
-    for key in ("ring/1", "shift_one/1", "all/1", "all/3", "ring/2"):
+    for key in ("ring/1", "ring_one_way/1", "shift_one/1", "all/1", "all/3", "ring/2"):
         for r, out in enumerate(res):
             err, moved, exchanges = out[key]
             assert moved > 1e-3, f"{key}: rank {r} barely moved ({moved})"
@@ -435,7 +440,8 @@ def test_decentralized(clusters, P):
             interval = int(key.split("/")[1])
             assert exchanges == (6 // interval if P > 1 else 0), f"{key}: {exchanges} exchanges"
     # ring, pure averaging rounds: the spread shrinks every round and the mean is kept
-    for prefix, floor in (("ring", 1e-6), ("lp", 1e-4)):
+    # (exact ring; uint8 ring; uint8 one-way ring, whose second eigenvalue is 0.71 at P = 4; fp16 all)
+    for prefix, floor, shrink in (("ring", 1e-6, 1e-3), ("lp", 1e-4, 1e-3), ("lp1", 1e-4, 0.15), ("lpall", 1e-3, 1e-3)):
         start = _spread([r[f"{prefix}_diverged"] for r in res])
         pure = [_spread([r[f"{prefix}_rounds"][i] for r in res]) for i in range(len(res[0][f"{prefix}_rounds"]))]
         if P == 1:
@@ -447,7 +453,7 @@ def test_decentralized(clusters, P):
                 assert pure[i] <= floor * 3, f"{prefix}: replicas drifted apart again in round {i + 1}: {pure}"
             elif prefix == "ring":
                 assert pure[i] < pure[i - 1], f"{prefix}: spread grew in averaging round {i + 1}: {pure}"
-        assert pure[-1] <= max(1e-3 * start, floor), f"{prefix}: spread did not shrink: {start} {pure}"
+        assert pure[-1] <= max(shrink * start, floor), f"{prefix}: spread did not shrink: {start} {pure}"
         if prefix == "ring" and P == 4:
             # W = (L + I + R)/3 on a 4-ring: the disagreement shrinks by 1/3 per round (second eigenvalue)
             ratios = [pure[i] / pure[i - 1] for i in range(2, 5)]
