@@ -5,11 +5,48 @@
 On one machine it launches the ranks itself: for every network condition in the YAML (``loopback``, or
 an emulated link such as ``1gbit``: each rank in its own network namespace, veth pairs on a bridge,
 ``tc tbf`` rate limits; needs root) and every world size, P worker processes train every model with
-every algorithm. Under ``torchrun`` (RANK/WORLD_SIZE set) it measures on the real cluster instead.
+every algorithm, under every straggler condition. Under ``torchrun`` (RANK/WORLD_SIZE set) it measures on
+the real cluster instead.
 
 Per cell: samples/s, speed-up over DDP, time split (compute floor, compression, communication, hidden
 share), bytes sent per step per rank, final training loss, and the alpha-beta cost model's prediction.
 Outputs: a table, ``results.json``, ``results.csv`` and ``throughput.png`` in ``--out``.
+
+The matrix (YAML), besides world sizes, networks, models and step counts:
+
+``algorithms``   entries ``name`` or ``{name: ..., <the algorithm's options>, label: ..., optimizer: ...}``.
+                 ``optimizer`` (taken by the benchmark, never passed to the algorithm) is one of
+                 ``sgd`` (default: SGD, lr 0.01, momentum 0.9), ``adam`` (Adam, lr 1e-3) or ``adamw``
+                 (AdamW, lr 1e-3, weight decay 0.01); the DDP baselines take it too, so an algorithm that
+                 needs Adam (qadam) is compared with ``{name: ddp, optimizer: adam}``. The compute floor
+                 always uses SGD. A row's ``optimizer`` is printed (an ``optim`` column) when any row is
+                 not SGD, and a default label ends in ``[adam]``/``[adamw]``.
+``stragglers``   a matrix axis, default ``[none]``. ``half``: rank 0 runs at half speed. Rule: after each
+                 of its steps (warm-up ones too) rank 0 sleeps (``time.sleep``, no CPU burnt) for as long
+                 as that step's own forward + backward + communication + optimizer step took. The sleep
+                 is taken at the start of its next step, after the benchmark's per-step barrier and
+                 inside the timed step, so that the other ranks of a synchronous algorithm wait for it
+                 in that step's collectives, as in training, and not in the (untimed) barrier. The last
+                 step's sleep is dropped. The cost model knows no stragglers: such rows have no
+                 prediction, and no "exposed" communication (the step includes the sleep).
+
+How a cell is timed: a synchronous algorithm (and every DDP baseline) starts each step with a barrier;
+after it the ranks exchange their step times (one allreduce of P numbers), so all agree on when the
+cell has measured enough (``steps``, ``min_cell_s``, ``max_steps``, whole cycles). An asynchronous
+algorithm (``Algorithm.asynchronous``) would be synchronised by that, hiding what it buys: its ranks
+start together (one barrier), then each runs exactly ``max_steps`` measured steps (rounded to whole
+cycles) with no per-step collective, recording its own step times; one allreduce of a P x steps tensor
+after the last step exchanges them, and every rank then closes the model (the algorithm's close ends its
+background work collectively).
+
+Row fields (``results.json``/``.csv``), among others: ``step_s`` the s/step of the slowest rank (per step
+for synchronous algorithms; for asynchronous ones the rank with the largest median), ``rank_s_per_step``
+each rank's own median (over whole cycles) step time, ``fast_s_per_step`` the median of those over the
+ranks other than the straggler (all ranks with no straggler), ``straggler``, ``optimizer``,
+``asynchronous``, ``samples_per_s`` (P x batch / step_s; an asynchronous algorithm: the sum of every
+rank's own rate, batch / rank_s_per_step, since no rank waits for the others) and ``speedup_vs_ddp``
+(samples/s over that of the DDP row, named in ``ddp_baseline``, of the same network, P, model and
+straggler condition, with the same optimizer if the matrix has such a DDP row, else plain DDP).
 """
 import argparse
 import csv
@@ -27,8 +64,11 @@ import yaml
 
 BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd")
 MODELS = ("mlp25m", "cnn", "mlp_small")
+OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
+STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
+STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
 CONFIG_KEYS = ("world_sizes", "networks", "models", "algorithms", "steps", "warmup_steps", "batch_size",
-               "bucket_size_mb", "project", "timeout_s", "min_cell_s", "max_steps")
+               "bucket_size_mb", "project", "timeout_s", "min_cell_s", "max_steps", "stragglers")
 
 
 # ---- configuration -----------------------------------------------------------------------------------------
@@ -46,7 +86,7 @@ def load_benchmark_config(path):
                              + f" (allowed: {', '.join(CONFIG_KEYS)})")
     out = {"world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
-           "max_steps": None}
+           "max_steps": None, "stragglers": ["none"]}
     out.update(cfg)
     for key, lowest in (("steps", 1), ("warmup_steps", 0)):
         v = out[key]
@@ -60,6 +100,16 @@ def load_benchmark_config(path):
     m = out["min_cell_s"]
     if not isinstance(m, (int, float)) or isinstance(m, bool) or m < 0:
         raise ValueError(f"benchmark config: min_cell_s must be a number of seconds >= 0, got {m!r}")
+    stragglers = out["stragglers"]
+    if not isinstance(stragglers, list) or not stragglers:
+        raise ValueError(f"benchmark config: stragglers must be a non-empty list of {', '.join(STRAGGLERS)}, "
+                         f"got {stragglers!r}")
+    for s in stragglers:
+        if not isinstance(s, str) or s not in STRAGGLERS:
+            raise ValueError(f"benchmark config: unknown straggler condition {s!r} in stragglers; "
+                             f"allowed: {', '.join(STRAGGLERS)}")
+    if len(set(stragglers)) != len(stragglers):
+        raise ValueError(f"benchmark config: stragglers lists a condition twice: {stragglers!r}")
     for p in out["world_sizes"]:
         if not isinstance(p, int) or p < 1:
             raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
@@ -79,22 +129,43 @@ def load_benchmark_config(path):
         entry = {"name": entry} if isinstance(entry, str) else dict(entry)
         label = entry.pop("label", None)
         name = entry.pop("name")
+        # the benchmark's own key, never an option of the algorithm
+        optimizer = entry.pop("optimizer", "sgd")
+        if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+            raise ValueError(f"benchmark config: algorithm {name!r}: unknown optimizer {optimizer!r}; "
+                             f"allowed: {', '.join(OPTIMIZERS)}")
         if name == "ddp_powersgd":
             entry.setdefault("rank", 4)
         elif name not in BASELINES:
             build(name, **entry)  # validate now, before any process starts
-        algs.append({"name": name, "options": entry, "label": label or _label(name, entry)})
+        algs.append({"name": name, "options": entry, "optimizer": optimizer,
+                     "label": label or _label(name, entry, optimizer)})
     if not algs:
         raise ValueError("benchmark config: 'algorithms' must list at least one algorithm")
     out["algorithms"] = algs
     return out
 
 
-def _label(name, options):
+def _label(name, options, optimizer="sgd"):
+    suffix = "" if optimizer == "sgd" else f"[{optimizer}]"
     if not options:
-        return name
+        return name + suffix
     short = ",".join(f"{k}={v}" for k, v in sorted(options.items()) if k not in ("warmup_densities",))
-    return f"{name}({short})"
+    return f"{name}({short}){suffix}"
+
+
+def make_optimizer(kind, params):
+    """The optimizer of a cell: ``sgd`` (lr 0.01, momentum 0.9), ``adam`` (lr 1e-3), ``adamw`` (lr 1e-3,
+    torch's default weight decay 0.01)."""
+    import torch
+
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3)
+    raise ValueError(f"unknown optimizer {kind!r}; allowed: {', '.join(OPTIMIZERS)}")
 
 
 # ---- models and data -----------------------------------------------------------------------------------------
@@ -159,8 +230,13 @@ def _tx_bytes():
         return None
 
 
-def _run_cell(cell, cfg, model_name, batches, rank, world):
-    """Train ``model_name`` with one algorithm; returns per-step times and counters (this rank)."""
+def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
+    """Train ``model_name`` with one algorithm; returns per-step times (every rank's) and counters.
+
+    ``straggler="half"``: rank ``STRAGGLER_RANK`` sleeps, at the start of each step, for as long as its
+    previous step's own work took (see the module docstring). An asynchronous algorithm runs a fixed
+    number of steps with no per-step collective and exchanges the step times once, at the end.
+    """
     import torch
     import torch.distributed as dist
 
@@ -170,8 +246,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
     gc.collect()  # the previous cell's model, buffers and DDP reducer are gone before this one is timed
     net, _ = fresh_model(model_name)
     name, options = cell["name"], cell["options"]
-    lr = 0.01
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    opt = make_optimizer(cell.get("optimizer", "sgd"), net.parameters())
     wrapper, ours = None, name not in BASELINES
     if ours:
         from bagua_lite.algorithms import build
@@ -197,8 +272,12 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
                                                 start_powerSGD_iter=2, min_compression_rate=0.5)
             model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    asynchronous = ours and bool(getattr(wrapper.algorithm, "asynchronous", False))
+    slow = straggler == "half" and rank == STRAGGLER_RANK
     loss_fn = torch.nn.CrossEntropyLoss()
     times, losses, waits, busy, sent, tx = [], [], [], [], [], []
+    rank_times = [[] for _ in range(world)]  # rank_times[r]: rank r's own measured step times
+    own = []  # this rank's (asynchronous: exchanged after the last step)
     warm = cfg["warmup_steps"]
     if ours and name == "auto":
         # timed from the second step of its pick: the probe steps and the switch are set-up, as
@@ -206,6 +285,9 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
         warm = max(warm, int(wrapper.algorithm.probe_steps) + 1)
     cycle, measure, most = 1, cfg["steps"], cfg["max_steps"]
     step = 0
+    pending_sleep = 0.0  # the straggler's sleep for its previous step, taken at the start of the next
+    if asynchronous:
+        dist.barrier()  # the ranks start the cell together; no collective of ours after this until the end
     while step < warm + measure:
         if step == warm and ours:
             # A periodic relaxation (local SGD, decentralized with an interval) is timed over whole
@@ -214,25 +296,41 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
             measure = max(measure, 2 * cycle)
             measure = -(-measure // cycle) * cycle
             most = max(measure, most // cycle * cycle)
+            if asynchronous:
+                # no rank can tell when the others have measured enough: a fixed count, the same on all
+                measure = most
         x, y = batches[step % len(batches)]
-        dist.barrier()
+        if not asynchronous:
+            dist.barrier()
         comm.reset_traffic()
         tx0 = _tx_bytes()
         wait0 = wrapper.timings["backward_wait_s"] if ours else 0.0
         if ours:
             wrapper._engine.reset_stats()
         t0 = time.perf_counter()
+        if pending_sleep:
+            time.sleep(pending_sleep)
+        t_work = time.perf_counter()
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        if slow:
+            pending_sleep = t1 - t_work  # this step's own compute + communication, without the sleep
         if step >= warm:
-            # The slowest rank's time of this step, known to every rank, so that all of them agree on
-            # when the cell has measured enough.
-            slowest = torch.tensor([dt], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times.append(float(slowest))
+            if asynchronous:
+                own.append(dt)
+            else:
+                # Every rank's time of this step, known to every rank, so that all of them agree on
+                # when the cell has measured enough (the slowest rank's time decides).
+                per = torch.zeros(world, dtype=torch.float64)
+                per[rank] = dt
+                dist.all_reduce(per)
+                for r, t in enumerate(per.tolist()):
+                    rank_times[r].append(t)
+                times.append(max(per.tolist()))
             losses.append(float(loss.detach()))
             if ours:
                 waits.append(wrapper.timings["backward_wait_s"] - wait0)
@@ -243,16 +341,26 @@ def _run_cell(cell, cfg, model_name, batches, rank, world):
         step += 1
         # Cheap cells measure more steps (at least min_cell_s of measured time, whole cycles, at most
         # max_steps), so that their medians are as steady as those of the slow cells.
-        if step == warm + measure and measure + cycle <= most and sum(times) < cfg["min_cell_s"]:
+        if (not asynchronous and step == warm + measure and measure + cycle <= most
+                and sum(times) < cfg["min_cell_s"]):
             measure += cycle
+    if asynchronous:
+        # One exchange after the cell (every rank measured the same number of steps): rank r's row.
+        per = torch.zeros(world, len(own), dtype=torch.float64)
+        per[rank] = torch.tensor(own, dtype=torch.float64)
+        dist.all_reduce(per)
+        rank_times = per.tolist()
+        # The cell's step time is the slowest rank's (the one with the largest median); ranks' steps are
+        # not aligned, so a per-step maximum would mean nothing.
+        times = max(rank_times, key=lambda ts: cycle_median(ts, cycle))
     picked = None
     if ours:
         picked = getattr(wrapper.algorithm, "picked", None)
         picked = repr(picked) if picked is not None else None
-        wrapper.close()
-    # Step time of the cell = the slowest rank's, per step (reduced above).
-    return {"times": times, "loss": losses[-1] if losses else float("nan"), "waits": waits, "busy": busy,
-            "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle}
+        wrapper.close()  # on every rank: an asynchronous algorithm ends its background work collectively
+    return {"times": times, "rank_times": rank_times, "loss": losses[-1] if losses else float("nan"),
+            "waits": waits, "busy": busy, "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle,
+            "asynchronous": asynchronous}
 
 
 def _compute_floor(model_name, batches, cfg):
@@ -261,7 +369,7 @@ def _compute_floor(model_name, batches, cfg):
     import torch.distributed as dist
 
     net, _ = fresh_model(model_name)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    opt = make_optimizer("sgd", net.parameters())  # the floor keeps SGD whatever the cells use
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     # Timed like a cell (the slowest rank per step, then the median), over at least 8 steps: it is cheap,
@@ -281,7 +389,11 @@ def _compute_floor(model_name, batches, cfg):
 
 
 def worker_main(cfg, network, result_path):
-    """Runs on every rank (spawned by the launcher or under torchrun); rank 0 appends JSON lines."""
+    """Runs on every rank (spawned by the launcher or under torchrun); rank 0 appends JSON lines.
+
+    Joins the default process group from the environment, unless one exists already (then it is left
+    as it was found: the tests run the matrix on their own gloo group).
+    """
     import torch
     import torch.distributed as dist
 
@@ -289,7 +401,9 @@ def worker_main(cfg, network, result_path):
     from . import runtime
     # Before anything is measured: the floor, the DDP baselines and our algorithms share one allocator.
     tuned = runtime.tune_cpu_allocator()
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
     from . import cost_model
 
@@ -313,17 +427,23 @@ def worker_main(cfg, network, result_path):
         bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
               "step_s": floor, "bucket_numels": bucket_numels})
-        for cell in cfg["algorithms"]:
-            res = _run_cell(cell, cfg, model_name, batches, rank, world)
-            work = cost_model.Workload(numel=numel, compute_s=floor, bucket_numels=bucket_numels)
-            try:
-                pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
-            except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
-                pred = {"error": str(e)}
-            emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
-                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"], "floor_s": floor,
-                  "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
-    dist.destroy_process_group()
+        for straggler in cfg["stragglers"]:
+            for cell in cfg["algorithms"]:
+                res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
+                work = cost_model.Workload(numel=numel, compute_s=floor, bucket_numels=bucket_numels)
+                if straggler != "none":
+                    pred = {"skipped": "the cost model knows no stragglers"}
+                else:
+                    try:
+                        pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
+                    except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
+                        pred = {"error": str(e)}
+                emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
+                      "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                      "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": floor,
+                      "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
+    if owned:
+        dist.destroy_process_group()
 
 
 # ---- launcher --------------------------------------------------------------------------------------------------
@@ -418,22 +538,48 @@ def cycle_median(values, cycle=1):
     return statistics.median(statistics.fmean(ch) for ch in chunks)
 
 
+def _ddp_baseline(cells, c):
+    """The DDP cell ``c`` is compared with: same network, P, model and straggler condition; the same
+    optimizer if the matrix measured DDP with it, else the first plain DDP cell of that group."""
+    group = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
+             and d["world_size"] == c["world_size"] and d["model"] == c["model"]
+             and d.get("straggler", "none") == c.get("straggler", "none")]
+    same = [d for d in group if d.get("optimizer", "sgd") == c.get("optimizer", "sgd")]
+    return (same or group or [None])[0]
+
+
+def _cell_figures(c):
+    """step_s, samples_per_s, each rank's median step time and the non-stragglers' median of a cell."""
+    cyc = c.get("cycle", 1)
+    step = cycle_median(c["times"], cyc)
+    rank_s = [cycle_median(ts, cyc) for ts in c.get("rank_times") or []]
+    straggler = c.get("straggler", "none")
+    others = [t for r, t in enumerate(rank_s) if t is not None and not (straggler != "none" and r == STRAGGLER_RANK)]
+    fast = statistics.median(others) if others else None
+    if c.get("asynchronous") and rank_s and all(rank_s):
+        samples = c["batch_size"] * sum(1.0 / t for t in rank_s)  # no rank waits for the others
+    else:
+        samples = c["world_size"] * c["batch_size"] / step
+    return step, samples, (rank_s or None), fast
+
+
 def summarize(records):
     """Turn raw records into one row per cell with medians (over whole cycles) and ratios."""
     cells = [r for r in records if r["kind"] == "cell"]
     rows = []
     for c in cells:
         cyc = c.get("cycle", 1)
-        step = cycle_median(c["times"], cyc)
+        step, samples, rank_s, fast = _cell_figures(c)
         world = c["world_size"]
-        ddp = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
-               and d["world_size"] == world and d["model"] == c["model"]]
-        ddp_step = cycle_median(ddp[0]["times"], ddp[0].get("cycle", 1)) if ddp else None
+        straggler = c.get("straggler", "none")
+        ddp = _ddp_baseline(cells, c)
+        ddp_samples = _cell_figures(ddp)[1] if ddp else None
         wait = cycle_median(c["waits"], cyc)
         busy = cycle_median(c["busy"], cyc)
         # bagua_lite's own counter sees our collectives only; DDP's bytes show on emulated links' counters.
         counted = cycle_median(c["bytes"], cyc) if c["bytes"] and c["algorithm"] not in BASELINES else None
-        comm_s = max(0.0, step - c["floor_s"])
+        # with a straggler the step includes its sleep: that is not communication
+        comm_s = max(0.0, step - c["floor_s"]) if straggler == "none" else None
         hidden = None
         if busy:
             hidden = max(0.0, min(1.0, 1.0 - (wait or 0.0) / busy))
@@ -441,9 +587,12 @@ def summarize(records):
         pred_step = pred.get("step_s")
         rows.append({
             "network": c["network"], "world_size": world, "model": c["model"], "algorithm": c["label"],
-            "name": c["algorithm"], "step_s": step, "steps_measured": len(c["times"]),
-            "samples_per_s": world * c["batch_size"] / step,
-            "speedup_vs_ddp": (ddp_step / step) if ddp_step else None, "floor_s": c["floor_s"],
+            "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "straggler": straggler,
+            "asynchronous": bool(c.get("asynchronous", False)),
+            "step_s": step, "fast_s_per_step": fast, "rank_s_per_step": rank_s,
+            "steps_measured": len(c["times"]), "samples_per_s": samples,
+            "speedup_vs_ddp": (samples / ddp_samples) if ddp_samples else None,
+            "ddp_baseline": ddp["label"] if ddp else None, "floor_s": c["floor_s"],
             "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
             "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),
             "final_loss": c["loss"], "predicted_step_s": pred_step,
@@ -454,7 +603,17 @@ def summarize(records):
 
 
 def print_table(rows, out=sys.stdout):
-    hdr = (f"{'network':<9}{'P':>3} {'model':<9} {'algorithm':<34}{'s/step':>8}{'samples/s':>10}{'vs DDP':>8}"
+    # Optional columns, shown only where they say something: the straggler condition when the matrix
+    # has more than one, the non-stragglers' s/step when there is a straggler or an asynchronous
+    # algorithm, the optimizer when a row is not SGD.
+    stragglers = list(dict.fromkeys(r["straggler"] for r in rows))
+    show_straggler = len(stragglers) > 1
+    show_fast = any(r["straggler"] != "none" or r["asynchronous"] for r in rows)
+    show_opt = any(r["optimizer"] != "sgd" for r in rows)
+    hdr = (f"{'network':<9}{'P':>3} {'model':<9} " + (f"{'straggler':<10}" if show_straggler else "")
+           + f"{'algorithm':<34}" + (f"{'optim':<6}" if show_opt else "") + f"{'s/step':>8}"
+           + (f"{'fast':>7}" if show_fast else "")
+           + f"{'samples/s':>10}{'vs DDP':>8}"
            f"{'floor':>7}{'exposed':>8}{'hidden':>7}{'MB/step':>9}{'loss':>8}{'pred':>7}{'err':>6}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -463,20 +622,30 @@ def print_table(rows, out=sys.stdout):
 
     for r in rows:
         mb = r["bytes_per_step_wire"] if r["bytes_per_step_wire"] is not None else r["bytes_per_step_counted"]
-        print(f"{r['network']:<9}{r['world_size']:>3} {r['model']:<9} {r['algorithm'][:33]:<34}{r['step_s']:>8.3f}"
-              f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
-              f"{r['comm_exposed_s']:>8.3f}{fmt(r['hidden_share'], '>7.0%')}{fmt(None if mb is None else mb / 1e6, '>9.2f')}"
+        print(f"{r['network']:<9}{r['world_size']:>3} {r['model']:<9} "
+              + (f"{r['straggler'][:9]:<10}" if show_straggler else "")
+              + f"{r['algorithm'][:33]:<34}" + (f"{r['optimizer']:<6}" if show_opt else "")
+              + f"{r['step_s']:>8.3f}" + (fmt(r["fast_s_per_step"], ">7.3f") if show_fast else "")
+              + f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
+              f"{fmt(r['comm_exposed_s'], '>8.3f')}{fmt(r['hidden_share'], '>7.0%')}"
+              f"{fmt(None if mb is None else mb / 1e6, '>9.2f')}"
               f"{r['final_loss']:>8.3f}{fmt(r['predicted_step_s'], '>7.3f')}{fmt(r['prediction_error'], '>6.0%')}",
               file=out)
     print("MB/step: bytes this rank sent per step (network namespace counter on emulated links, bagua_lite's "
           "own counter on loopback; '-' prediction: no model). hidden: share of engine time overlapped with "
           "backward.", file=out)
+    if show_fast:
+        print(f"s/step: the slowest rank's; fast: the median rank other than the straggler (rank {STRAGGLER_RANK}). "
+              "straggler 'half': rank 0 sleeps as long as each of its steps took. Asynchronous algorithms' "
+              "samples/s add up every rank's own rate.", file=out)
+    if not show_straggler and stragglers != ["none"]:
+        print(f"every row ran with straggler condition {stragglers[0]!r}", file=out)
 
 
 def auto_report(rows, out=sys.stdout):
     groups = {}
     for r in rows:
-        groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+        groups.setdefault((r["network"], r["world_size"], r["model"], r["straggler"]), []).append(r)
     hits, total = 0, 0
     for key, rs in groups.items():
         autos = [r for r in rs if r["name"] == "auto"]
@@ -487,7 +656,8 @@ def auto_report(rows, out=sys.stdout):
         ok = autos[0]["step_s"] <= 1.1 * best["step_s"]
         hits += ok
         total += 1
-        print(f"auto on {key[0]} P={key[1]} {key[2]}: picked {autos[0]['picked']}, {autos[0]['step_s']:.3f} s/step; "
+        where = f"{key[0]} P={key[1]} {key[2]}" + (f" straggler={key[3]}" if key[3] != "none" else "")
+        print(f"auto on {where}: picked {autos[0]['picked']}, {autos[0]['step_s']:.3f} s/step; "
               f"best measured {best['algorithm']} {best['step_s']:.3f} s/step -> {'within' if ok else 'NOT within'} 10%",
               file=out)
     if total:
@@ -543,13 +713,16 @@ def write_outputs(rows, projections, out_dir):
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         rs = [r for r in rows if r["model"] == model]
-        nets = list(dict.fromkeys(f"{r['network']} P={r['world_size']}" for r in rs))
+        def where(r):
+            return f"{r['network']} P={r['world_size']}" + (f" straggler={r['straggler']}"
+                                                              if r["straggler"] != "none" else "")
+        nets = list(dict.fromkeys(where(r) for r in rs))
         algs = list(dict.fromkeys(r["algorithm"] for r in rs))
         width = 0.8 / max(1, len(nets))
         for i, net in enumerate(nets):
             vals = []
             for a in algs:
-                m = [r for r in rs if r["algorithm"] == a and f"{r['network']} P={r['world_size']}" == net]
+                m = [r for r in rs if r["algorithm"] == a and where(r) == net]
                 vals.append(m[0]["samples_per_s"] if m else 0)
             ax.bar([j + i * width for j in range(len(algs))], vals, width, label=net)
         ax.set_xticks([j + width * (len(nets) - 1) / 2 for j in range(len(algs))])
@@ -601,7 +774,7 @@ def main(argv=None):
         path = os.path.join(args.out, "records.jsonl")
         if os.path.exists(path):
             os.unlink(path)
-        per_launch = len(cfg["models"]) * len(cfg["algorithms"])
+        per_launch = len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
         total = per_launch * len(networks) * len(cfg["world_sizes"])
         t0 = time.monotonic()
         for network in networks:

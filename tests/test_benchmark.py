@@ -1,13 +1,51 @@
 """The benchmark end to end on a tiny matrix (loopback, 2 ranks): outputs exist and say something true."""
 import csv
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+import bagua_lite
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# Test-only asynchronous relaxation (async_model_average's place in these tests): every rank trains on its
+# own and never waits for another, so its ranks' step times are independent. Registered on import, in
+# this process and in the cluster's ranks (unpickling a task imports this module, as here).
+@bagua_lite.algorithms.register("async_local_test")
+class AsyncLocalTest(bagua_lite.Algorithm):
+    """Gradient-free local training; ``step_sleep_s`` adds a fixed amount of work to every step, and
+    ``expect_optimizer`` makes set-up fail unless the model's optimizer is that one (as qadam's does)."""
+
+    asynchronous = True
+    #: per instance (one per cell) in this process: the monotonic clock at the end of each step
+    step_ends = []
+
+    def __init__(self, step_sleep_s: float = 0.0, expect_optimizer: str = ""):
+        super().__init__()
+        self.step_sleep_s, self.expect_optimizer = float(step_sleep_s), expect_optimizer
+
+    def init(self, model):
+        got = type(model.optimizer).__name__.lower()
+        if self.expect_optimizer and got != self.expect_optimizer:
+            raise TypeError(f"async_local_test: expected optimizer {self.expect_optimizer}, got {got}")
+        self.ends = []
+        AsyncLocalTest.step_ends.append(self.ends)
+
+    def sync_gradients(self):
+        return False
+
+    def before_forward(self):
+        if self.step_sleep_s:
+            time.sleep(self.step_sleep_s)
+
+    def after_step(self):
+        self.ends.append(time.monotonic())
 
 
 def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
@@ -19,8 +57,11 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     text = proc.stdout
     assert "s/step" in text and "vs DDP" in text
     rows = json.loads((out / "results.json").read_text())["rows"]
-    names = [r["name"] for r in rows]
-    assert names == ["ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "gtopk", "topk", "local_sgd"]
+    names = ["ddp", "ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "gtopk", "topk", "local_sgd"]
+    assert [r["name"] for r in rows] == names * 2
+    assert [r["straggler"] for r in rows] == ["none"] * len(names) + ["half"] * len(names)
+    header = next(line for line in text.splitlines() if "s/step" in line and "samples/s" in line)
+    assert "straggler" in header and "fast" in header  # the axis has two values
     ddp = rows[0]
     assert ddp["speedup_vs_ddp"] == pytest.approx(1.0)
     for r in rows:
@@ -28,6 +69,32 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
         # min_cell_s (2 s) is far more than 6 steps of this model take: every cell measured max_steps
         assert r["steps_measured"] == 6, (r["name"], r["steps_measured"])
         assert r["final_loss"] == r["final_loss"]  # not NaN
+        # every rank's own median; the slowest rank's figure is at least the fast ranks' median
+        assert len(r["rank_s_per_step"]) == 2 and all(t > 0 for t in r["rank_s_per_step"])
+        assert 0 < r["fast_s_per_step"] <= r["step_s"] * 1.000001
+        if r["straggler"] == "half":
+            assert r["fast_s_per_step"] == pytest.approx(r["rank_s_per_step"][1])
+            assert r["predicted_step_s"] is None and r["comm_exposed_s"] is None
+        # compared with the DDP row of the same straggler condition and optimizer
+        base = next(b for b in rows if b["algorithm"] == r["ddp_baseline"] and b["straggler"] == r["straggler"])
+        assert base["name"] == "ddp" and base["optimizer"] == r["optimizer"]
+        assert r["speedup_vs_ddp"] == pytest.approx(base["step_s"] / r["step_s"])
+    # the optimizer column: the adam DDP row says so, and is its own baseline
+    adam = [r for r in rows if r["optimizer"] == "adam"]
+    assert [r["algorithm"] for r in adam] == ["DDP (adam)"] * 2
+    assert all(r["ddp_baseline"] == "DDP (adam)" and r["speedup_vs_ddp"] == pytest.approx(1.0) for r in adam)
+    assert "optim" in text and any("DDP (adam)" in line and " adam " in line for line in text.splitlines())
+    assert {r["optimizer"] for r in rows if r["algorithm"] != "DDP (adam)"} == {"sgd"}
+    # with a straggler, DDP's fast rank waits for rank 0 inside its own step (the sleep comes before the
+    # collectives, not in the untimed barrier)
+    half_ddp = rows[len(names)]
+    assert half_ddp["name"] == "ddp" and half_ddp["fast_s_per_step"] > 0.7 * half_ddp["step_s"]
+    # one value of the axis only: no straggler column
+    from bagua_lite.benchmark import print_table
+
+    buf = io.StringIO()
+    print_table([r for r in rows if r["straggler"] == "none"], out=buf)
+    assert "straggler" not in buf.getvalue().splitlines()[0]
     # our algorithms count their own bytes: dense = ring allreduce of the whole model, gtopk far less
     dense = next(r for r in rows if r["name"] == "gradient_allreduce")
     gtopk = next(r for r in rows if r["name"] == "gtopk")
@@ -91,3 +158,101 @@ def test_cycle_median_counts_the_periodic_step():
     assert cycle_median(times, 1) == pytest.approx(0.2)  # the plain median drops it
     assert cycle_median([1.0, 3.0], 4) == pytest.approx(2.0)  # shorter than a cycle: the mean
     assert cycle_median([None, 1.0, 2.0, 9.0]) == 2.0 and cycle_median([]) is None
+
+
+@pytest.mark.parametrize("algorithms, extra, pattern", [
+    ("[{name: ddp, optimizer: Adam}]", "", r"algorithm 'ddp': unknown optimizer 'Adam'; allowed: sgd, adam, adamw"),
+    ("[{name: gtopk, density: 0.01, optimizer: lamb}]", "",
+     r"algorithm 'gtopk': unknown optimizer 'lamb'; allowed: sgd, adam, adamw"),
+    ("[ddp]", "stragglers: [none, slow]", r"unknown straggler condition 'slow' in stragglers; allowed: none, half"),
+    ("[ddp]", "stragglers: half", r"stragglers must be a non-empty list of none, half, got 'half'"),
+    ("[ddp]", "stragglers: []", r"stragglers must be a non-empty list"),
+    ("[ddp]", "stragglers: [half, half]", r"stragglers lists a condition twice"),
+])
+def test_bad_optimizer_or_straggler_names_the_value(tmp_path, algorithms, extra, pattern):
+    from bagua_lite.benchmark import load_benchmark_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text(f"algorithms: {algorithms}\n{extra}\n")
+    with pytest.raises(ValueError, match=pattern):
+        load_benchmark_config(str(p))
+
+
+def test_optimizer_is_the_benchmarks_key_not_the_algorithms(tmp_path):
+    from bagua_lite.benchmark import load_benchmark_config
+
+    p = tmp_path / "c.yaml"
+    # gtopk has no option 'optimizer': building it with one would raise
+    p.write_text("algorithms: [ddp, {name: ddp, optimizer: adam}, {name: gtopk, density: 0.01, optimizer: adamw},\n"
+                 "             {name: ddp, optimizer: adam, label: DDP (adam)}]\n")
+    cfg = load_benchmark_config(str(p))
+    assert cfg["stragglers"] == ["none"]
+    assert [(a["name"], a["optimizer"], a["options"], a["label"]) for a in cfg["algorithms"]] == [
+        ("ddp", "sgd", {}, "ddp"), ("ddp", "adam", {}, "ddp[adam]"),
+        ("gtopk", "adamw", {"density": 0.01}, "gtopk(density=0.01)[adamw]"), ("ddp", "adam", {}, "DDP (adam)")]
+
+
+def _r_bench_matrix(rank, P, cfg, path):
+    from bagua_lite import benchmark
+
+    AsyncLocalTest.step_ends.clear()
+    benchmark.worker_main(cfg, "loopback", path)  # in this cluster's group, which it leaves alone
+    return AsyncLocalTest.step_ends  # this rank's step end times, per async_local_test cell
+
+
+ASYNC_YAML = """
+world_sizes: [2]
+models: [mlp_small]
+steps: 2          # DDP measures 2 steps (min_cell_s 0)...
+max_steps: 5      # ...an asynchronous algorithm always max_steps, with no per-step collective
+warmup_steps: 1
+batch_size: 64
+bucket_size_mb: 1
+stragglers: [none, half]
+algorithms:
+  - ddp
+  - {name: async_local_test, step_sleep_s: 0.02, optimizer: adamw, expect_optimizer: adamw}
+"""
+
+
+def test_asynchronous_algorithm_is_timed_per_rank_without_per_step_sync(tmp_path, clusters):
+    """A test-only asynchronous algorithm (rank-local training plus 20 ms of fixed work per step) under
+    a straggler: the fast rank must keep its own pace (the benchmark does not synchronise it per step),
+    every rank must finish the cell, and the speed-up must be against the DDP row of the same condition."""
+    from bagua_lite.benchmark import _read, load_benchmark_config, summarize
+
+    cfg_path = tmp_path / "async.yaml"
+    cfg_path.write_text(ASYNC_YAML)
+    cfg = load_benchmark_config(str(cfg_path))
+    path = str(tmp_path / "records.jsonl")
+    ends = clusters.get(2).run(_r_bench_matrix, cfg, path, timeout=120)  # every rank got through
+    assert [len(e) for e in ends] == [2, 2] and all(len(cell) == 1 + 5 for e in ends for cell in e)
+    rows = summarize(_read(path))
+    assert [(r["name"], r["straggler"], r["asynchronous"]) for r in rows] == [
+        ("ddp", "none", False), ("async_local_test", "none", True),
+        ("ddp", "half", False), ("async_local_test", "half", True)]
+    for r in rows:
+        assert r["steps_measured"] == (5 if r["asynchronous"] else 2), r
+        assert len(r["rank_s_per_step"]) == 2
+        assert r["step_s"] == pytest.approx(max(r["rank_s_per_step"]) if r["asynchronous"] else r["step_s"])
+        base = next(b for b in rows if b["name"] == "ddp" and b["straggler"] == r["straggler"])
+        assert r["ddp_baseline"] == "ddp"
+        assert r["speedup_vs_ddp"] == pytest.approx(r["samples_per_s"] / base["samples_per_s"])
+    assert rows[1]["optimizer"] == "adamw" and rows[1]["algorithm"].endswith("[adamw]")
+    calm, slow = rows[1], rows[3]
+    # no straggler: both ranks at the same pace, about the fixed work per step
+    assert all(t >= 0.02 for t in calm["rank_s_per_step"])
+    assert calm["samples_per_s"] == pytest.approx(64 / calm["rank_s_per_step"][0] + 64 / calm["rank_s_per_step"][1])
+    # half: rank 0 takes about twice as long per step; rank 1 does not wait for it
+    r0, r1 = slow["rank_s_per_step"]
+    assert r0 > 1.5 * r1, slow["rank_s_per_step"]
+    assert slow["fast_s_per_step"] == pytest.approx(r1) and slow["step_s"] == pytest.approx(r0)
+    # ...not even outside the timed steps: rank 1 ran its steps in well under rank 0's wall time (a
+    # barrier or any collective per step would have held it to rank 0's pace there)
+    span = [e[1][-1] - e[1][0] for e in ends]
+    assert span[1] < 0.7 * span[0], span
+    # whereas DDP's fast rank is held to the straggler's pace
+    ddp_slow = rows[2]
+    assert ddp_slow["fast_s_per_step"] > 0.7 * ddp_slow["step_s"]
+    # what asynchrony buys shows in the throughput: rank 1 runs at its own rate
+    assert slow["samples_per_s"] == pytest.approx(64 / r0 + 64 / r1)
