@@ -35,11 +35,13 @@ Hooks, in the order of one training step:
                            step means averaging over whole cycles; the benchmark does.
 """
 import inspect
+import math
 from typing import Dict, List, Type
 
 import torch
 
 _REGISTRY: Dict[str, Type["Algorithm"]] = {}
+MAX_INT_OPTION = 2 ** 31  # a period or step count beyond this is a typo (and overflows int32 counters)
 
 
 class Algorithm:
@@ -204,4 +206,9 @@ def _check_type(alg, key, value, default):
     if not ok:
         raise TypeError(f"algorithm {alg!r}: option {key!r} must be of type {type(default).__name__} "
                         f"(like its default {default!r}), got {type(value).__name__} {value!r}")
+    for v in (value if isinstance(value, (list, tuple)) else [value]):
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"algorithm {alg!r}: option {key!r} must be finite, got {v!r}")
+        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= MAX_INT_OPTION:
+            raise ValueError(f"algorithm {alg!r}: option {key!r} = {v} is absurdly large (must be below 2**31)")
 

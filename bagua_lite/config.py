@@ -9,6 +9,7 @@
 (unknown keys get the nearest valid name suggested) before any process-group traffic.
 """
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -18,10 +19,22 @@ import yaml
 from .algorithm import Algorithm, build
 
 TOP_LEVEL_KEYS = ("algorithm", "bucket_size_mb")
+MAX_BUCKET_MB = 1 << 20  # 1 TiB: anything larger is a typo
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``; users write both)."""
+    """SafeLoader that also reads ``1e-3`` as a float (YAML 1.1 wants ``1.0e-3``; users write both) and
+    refuses a key given twice in one mapping (plain YAML lets the last one silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ValueError(f"config: key {key!r} is given twice (line {key_node.start_mark.line + 1}); "
+                                 "each key may appear once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -66,8 +79,8 @@ def config_from_dict(data, source="<dict>") -> Config:
     bucket = data.get("bucket_size_mb", 25.0)
     if not isinstance(bucket, (int, float)) or isinstance(bucket, bool):
         raise TypeError(f"config {source}: bucket_size_mb must be a number, got {type(bucket).__name__} {bucket!r}")
-    if bucket <= 0:
-        raise ValueError(f"config {source}: bucket_size_mb must be > 0, got {bucket}")
+    if not math.isfinite(bucket) or not 0 < bucket <= MAX_BUCKET_MB:
+        raise ValueError(f"config {source}: bucket_size_mb must be > 0 and <= {MAX_BUCKET_MB} (finite), got {bucket}")
     return Config(algorithm=build(alg["name"], **options), bucket_size_mb=float(bucket), raw=data)
 
 

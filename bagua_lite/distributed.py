@@ -14,6 +14,7 @@ Buckets are submitted in one fixed order on every rank, so collectives always ma
 import contextlib
 import hashlib
 import json
+import math
 import time
 from typing import Union
 
@@ -56,8 +57,9 @@ class DistributedModel(torch.nn.Module):
         if not isinstance(algorithm, Algorithm):
             raise TypeError(f"DistributedModel: algorithm must be a bagua_lite.Algorithm or a registered name, "
                             f"got {type(algorithm).__name__}")
-        if not isinstance(bucket_size_mb, (int, float)) or isinstance(bucket_size_mb, bool) or bucket_size_mb <= 0:
-            raise ValueError(f"DistributedModel: bucket_size_mb must be a number > 0, got {bucket_size_mb!r}")
+        if not isinstance(bucket_size_mb, (int, float)) or isinstance(bucket_size_mb, bool) \
+                or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0:
+            raise ValueError(f"DistributedModel: bucket_size_mb must be a finite number > 0, got {bucket_size_mb!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedModel: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.module = module

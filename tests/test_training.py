@@ -726,7 +726,17 @@ def test_misspelled_keys_suggest_nearest(text, pattern):
     ("algorithm:\n  name: low_precision_decentralized\n  compression: none\n", ValueError,
      r"low_precision_decentralized: compression must be a compressor, not 'none'"),
     ("algorithm: gtopk\nbucket_size_mb: 0\n", ValueError, r"bucket_size_mb must be > 0"),
+    ("algorithm: gtopk\nbucket_size_mb: 2000000\n", ValueError, r"bucket_size_mb must be > 0 and <= 1048576"),
     ("algorithm: gtopk\nbucket_size_mb: -1.5\n", ValueError, r"bucket_size_mb must be > 0"),
+    ("algorithm: gtopk\nbucket_size_mb: .nan\n", ValueError, r"bucket_size_mb must be > 0 and <= .*finite.*got nan"),
+    ("algorithm: gtopk\nbucket_size_mb: .inf\n", ValueError, r"bucket_size_mb must be > 0 and <= .*got inf"),
+    ("algorithm:\n  name: local_sgd\n  period: 100000000000000000000\n", ValueError,
+     r"option 'period' = 100000000000000000000 is absurdly large"),
+    ("algorithm:\n  name: gtopk\n  density: .nan\n", ValueError, r"option 'density' must be finite, got nan"),
+    ("algorithm:\n  name: gtopk\n  warmup_densities: [0.5, .inf]\n", ValueError,
+     r"option 'warmup_densities' must be finite, got inf"),
+    ("algorithm: gtopk\nalgorithm: topk\n", ValueError, r"key 'algorithm' is given twice \(line 2\)"),
+    ("algorithm:\n  name: gtopk\n  density: 0.1\n  density: 0.2\n", ValueError, r"key 'density' is given twice"),
     # wrong types
     ("algorithm: gtopk\nbucket_size_mb: big\n", TypeError, r"bucket_size_mb must be a number.*str"),
     ("algorithm: gtopk\nbucket_size_mb: true\n", TypeError, r"bucket_size_mb must be a number.*bool"),
@@ -751,8 +761,8 @@ def test_bad_values_name_the_key(text, exc, pattern):
 def test_distributed_model_validates_before_any_traffic():
     net = _mlp()
     opt = _sgd(net)
-    for bad in (0, -1, "25", True):
-        _raises(ValueError, r"bucket_size_mb must be a number > 0", bagua_lite.DistributedModel, net, opt,
+    for bad in (0, -1, "25", True, float("nan"), float("inf")):
+        _raises(ValueError, r"bucket_size_mb must be a finite number > 0", bagua_lite.DistributedModel, net, opt,
                 "gradient_allreduce", bucket_size_mb=bad)
     _raises(ValueError, r"unknown algorithm 'nope'.*gtopk", bagua_lite.DistributedModel, net, opt, "nope")
     _raises(TypeError, r"optimizer must be a torch.optim.Optimizer", bagua_lite.DistributedModel, net, "sgd")
