@@ -143,7 +143,7 @@ def main(argv=None):
              for r in range(args.world_size)]
     for p in procs:
         p.start()
-    print(f"{"config":<36}{'algorithm':<60}{'ms/step':>9}{'loss':>9}{'test acc':>10}")
+    print(f"{'config':<36}{'algorithm':<60}{'ms/step':>9}{'loss':>9}{'test acc':>10}")
     for _ in paths:
         path, res = _next_result(out, procs)
         alg = repr(bagua_lite.load_config(path).algorithm)
