@@ -1,0 +1,202 @@
+"""async_model_average on real spawned gloo groups (P = 1..5), one round trip per world size:
+
+* warm-up steps are bit-identical to gradient_allreduce;
+* after warm-up, ranks training at different speeds (rank 0 sleeps every step) take different numbers of
+  steps, the background thread runs the same number of rounds on every rank, and the replicas' spread
+  stays far below that of the same training without averaging; after close() ``average_now()`` makes
+  them identical;
+* close() called at different times (rank r trains 0.2 s longer per rank) returns quickly everywhere;
+* minmax_uint8 compression still learns; an optimizer step that raises does not leave the step lock held;
+  state_dict / load_state_dict round-trip while the thread runs;
+* a dead peer (os._exit) makes the survivors' training thread raise within the group timeout + 10 s;
+* bad options raise ValueError naming the option (single process).
+"""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import bagua_lite
+import bagua_lite.algorithms  # noqa: F401
+from bagua_lite.algorithm import build
+from bagua_lite.algorithms.async_model_average import AsyncModelAverage
+
+from cluster import Cluster, RemoteError
+
+D_IN, HIDDEN, CLASSES = 16, 32, 8
+_W_TRUE = torch.randn(D_IN, CLASSES, generator=torch.Generator().manual_seed(99))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _batch(rank, step, n=16):
+    g = torch.Generator().manual_seed(rank * 7919 + step * 31 + 17)
+    x = torch.randn(n, D_IN, generator=g)
+    return x, (x @ _W_TRUE).argmax(1)
+
+
+def _flat(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+
+
+def _model(name, lr=0.05, **options):
+    net = _mlp()
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+    return net, opt, bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+
+
+def _step(model, opt, rank, s):
+    x, y = _batch(rank, s)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _timed(rank, seconds, interval_ms, warmup=5, slow_s=0.03, fast_s=0.005):
+    """Warm-up, then train for `seconds` of wall time; every step rank 0 sleeps slow_s, the others fast_s
+    (which also keeps P processes from saturating a small machine)."""
+    net, opt, model = _model("async_model_average", sync_interval_ms=interval_ms, warmup_steps=warmup)
+    for s in range(warmup):
+        _step(model, opt, rank, s)
+    dist.barrier()  # start the timed phase together (the default group is idle after warm-up)
+    t0, s = time.monotonic(), warmup
+    while time.monotonic() - t0 < seconds:
+        time.sleep(slow_s if rank == 0 else fast_s)
+        _step(model, opt, rank, s)
+        s += 1
+    w = _flat(net)
+    model.close()
+    model.algorithm.average_now()
+    return {"w": w, "steps": s, "rounds": model.algorithm.rounds, "after_average": _flat(net)}
+
+
+def _r_async(rank, P):
+    out = {}
+    # (a) warm-up == gradient_allreduce, bit for bit
+    for name, opts in (("ga", ("gradient_allreduce", {})),
+                       ("am", ("async_model_average", {"warmup_steps": 6, "sync_interval_ms": 60_000}))):
+        net, opt, model = _model(opts[0], **opts[1])
+        out[name] = [(_step(model, opt, rank, s), _flat(net)) for s in range(6)]
+        t = time.monotonic()
+        model.close()  # the thread started after step 6 and sleeps 60 s: close must not wait for it
+        out[name + "_close_s"] = time.monotonic() - t
+    # (b) different speeds, fast averaging vs. none
+    out["avg"] = _timed(rank, 1.0, 20)
+    out["local"] = _timed(rank, 1.0, 10_000_000)
+    # (c) close at different times: rank r trains 0.2 s longer per rank, then closes
+    net, opt, model = _model("async_model_average", sync_interval_ms=50)
+    t0, s = time.monotonic(), 0
+    while time.monotonic() - t0 < 0.3 + 0.2 * rank:
+        _step(model, opt, rank, s)
+        s += 1
+    t = time.monotonic()
+    model.close()
+    out["stagger_close_s"], out["stagger_rounds"] = time.monotonic() - t, model.algorithm.rounds
+    # (d) minmax_uint8 learns; a step that raises; state round-trip while running
+    net, opt, model = _model("async_model_average", lr=0.1, sync_interval_ms=20, compression="minmax_uint8")
+    losses = [_step(model, opt, rank, s) for s in range(60)]
+    boom = opt.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(ValueError("boom")))
+    try:
+        _step(model, opt, rank, 60)
+    except ValueError:
+        out["boom_raised"] = True
+    boom.remove()
+    opt.zero_grad()
+    before = model.algorithm.rounds  # the step lock is still held here: the next forward releases it
+    losses += [_step(model, opt, rank, s) for s in range(61, 160)]
+    time.sleep(0.1)
+    dist.barrier()  # nobody closes (which ends every rank's rounds) before all got here
+    out["rounds_after_boom"] = model.algorithm.rounds - before
+    model.algorithm.load_state_dict(model.algorithm.state_dict())
+    model.close()
+    out["losses"] = losses
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5], ids=lambda p: f"P{p}")
+def test_async_model_average(clusters, P):
+    res = clusters.get(P).run(_r_async, timeout=120)
+    for r, out in enumerate(res):
+        for (la, wa), (lb, wb) in zip(out["ga"], out["am"]):
+            assert la == lb and torch.equal(wa, wb), f"rank {r}: warm-up differs from gradient_allreduce"
+        assert out["am_close_s"] < 3, f"rank {r}: close() took {out['am_close_s']:.1f}s"
+        assert out["stagger_close_s"] < 3, f"rank {r}: staggered close() took {out['stagger_close_s']:.1f}s"
+        assert out.get("boom_raised") and out["rounds_after_boom"] > 0, f"rank {r}: a failed step stalled averaging"
+        first, last = sum(out["losses"][:20]) / 20, sum(out["losses"][-20:]) / 20
+        assert last < 0.7 * first, f"rank {r}: minmax_uint8 does not learn: loss {first:.3f} -> {last:.3f}"
+    for key in ("avg", "local"):  # every thread ran the same rounds; average_now() makes replicas identical
+        assert len({out[key]["rounds"] for out in res}) == 1, [out[key]["rounds"] for out in res]
+        assert all(torch.equal(out[key]["after_average"], res[0][key]["after_average"]) for out in res)
+    assert len({out["stagger_rounds"] for out in res}) == 1, [out["stagger_rounds"] for out in res]
+    assert res[0]["avg"]["rounds"] >= 5 and res[0]["local"]["rounds"] == 0
+    if P > 1:
+        steps = [out["avg"]["steps"] for out in res]
+        assert steps[0] < max(steps[1:]), f"the slow rank 0 kept pace (not asynchronous?): steps {steps}"
+        spread = {}
+        for k in ("avg", "local"):  # the largest distance of a replica from the mean, per coordinate
+            ws = torch.stack([o[k]["w"] for o in res])
+            spread[k] = float((ws - ws.mean(0)).abs().max())
+        print(f"P={P} steps {steps} rounds {res[0]['avg']['rounds']} spread {spread}")
+        assert spread["avg"] < 0.3 * spread["local"], f"replicas' spread with / without averaging: {spread}"
+
+
+def _r_dead_peer(rank, P, victim):
+    net, opt, model = _model("async_model_average", sync_interval_ms=20, warmup_steps=3)
+    for s in range(10):
+        _step(model, opt, rank, s)
+    if rank == victim:
+        os._exit(1)
+    t0, s = time.monotonic(), 10
+    try:
+        while time.monotonic() - t0 < 60:
+            _step(model, opt, rank, s)
+            s += 1
+            time.sleep(0.005)
+    except RuntimeError as e:
+        return ("raised", time.monotonic() - t0, str(e))
+    finally:
+        model.close()
+    return ("returned", time.monotonic() - t0, "")
+
+
+def test_dead_peer_raises_in_training_thread():
+    P, victim, pg_timeout = 3, 1, 5
+    c = Cluster(P, timeout_s=pg_timeout)
+    try:
+        with pytest.raises(RemoteError) as info:
+            c.run(_r_dead_peer, victim, timeout=90, grace=pg_timeout + 20)
+        err = info.value
+        assert err.dead == [victim], str(err)
+        survivors = {r: v for r, (ok, v) in err.partial.items() if ok}
+        assert sorted(survivors) == [r for r in range(P) if r != victim], str(err)
+        for r, (what, elapsed, msg) in survivors.items():
+            assert what == "raised" and elapsed < pg_timeout + 10, (r, what, elapsed, msg)
+            assert "background averaging failed" in msg, (r, msg)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("options, pattern", [
+    ({"sync_interval_ms": 0}, r"sync_interval_ms must be an integer >= 1.*got 0"),
+    ({"sync_interval_ms": -5}, r"sync_interval_ms.*got -5"),
+    ({"sync_interval_ms": 0.5}, r"sync_interval_ms.*got 0.5"),
+    ({"warmup_steps": -1}, r"warmup_steps must be an integer >= 0, got -1"),
+    ({"compression": "bogus"}, r"unknown compression 'bogus'.*'minmax_uint8'"),
+])
+def test_bad_options(options, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        AsyncModelAverage(**options)
+    if not any(isinstance(v, float) for v in options.values()):  # build() type-checks floats first
+        with pytest.raises(ValueError, match=pattern):
+            build("async_model_average", **options)
+    else:
+        with pytest.raises(TypeError, match="sync_interval_ms"):
+            build("async_model_average", **options)
