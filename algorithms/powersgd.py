@@ -1,0 +1,132 @@
+"""PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019): rank-r gradient compression by one step of power
+iteration, with error feedback and warm start.
+
+Per bucket and step, for every compressible gradient G of the bucket viewed as an n x m matrix (a tensor
+of shape (n, ...) as (n, rest)), with its residual e and the previous step's Q (m x r); the paper's
+Algorithm 1 (compression) inside Algorithm 2 (error feedback):
+
+    M  <- G + e                    (error feedback)
+    P  <- M Q                      (warm start: last step's Q; at first seeded N(0, 1), equal on all ranks)
+    P  <- ALL_REDUCE_SUM(P)        (all P's of the bucket in one flat buffer; the scale is irrelevant)
+    P^ <- ORTHOGONALIZE(P)         (Householder QR: the same input gives every rank the same P^)
+    Q  <- M^T P^                   (this rank's share: it contributes P^ Q^T ...)
+    e  <- M - P^ Q^T               (... and keeps what that leaves out)
+    Q  <- ALL_REDUCE_MEAN(Q)       (all Q's of the bucket in one flat buffer; next step's warm start)
+    G  <- P^ Q^T                   (= mean over ranks of P^ Q_rank^T, identical on all ranks)
+
+Vectors (biases) and matrices for which (n + m) r is not ``min_compression_rate`` times smaller than n m
+travel dense, averaged in the same ALL_REDUCE_MEAN as the Q's (placed after them in one flat buffer): at
+most two collectives per bucket. A compressed matrix sends (n + m) r elements instead of n m. Everything
+runs in one op per bucket on the engine thread, so collectives go out in bucket order on every rank and
+any number of buckets works on gloo.
+
+Options:
+``rank``                  r, the rank of the approximation (>= 1)
+``warmup_steps``          plain dense averaging for this many steps first; error feedback starts afterwards
+``min_compression_rate``  compress a matrix only if n m >= this * (n + m) r (>= 1; else it goes dense)
+
+Example: ``DistributedModel(net, opt, algorithm=bagua_lite.algorithms.build("powersgd", rank=4))``
+"""
+import torch
+
+from bagua_lite import comm
+from bagua_lite.algorithm import Algorithm, register
+
+_Q_SEED = 0  # the initial Q's, drawn once in init: identical on every rank
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@register("powersgd")
+class PowerSGD(Algorithm):
+    def __init__(self, rank: int = 4, warmup_steps: int = 0, min_compression_rate: float = 2.0):
+        super().__init__()
+        if not _is_int(rank) or rank < 1:
+            raise ValueError(f"powersgd: rank must be an int >= 1, got {rank!r}")
+        if not _is_int(warmup_steps) or warmup_steps < 0:
+            raise ValueError(f"powersgd: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        if not isinstance(min_compression_rate, (int, float)) or isinstance(min_compression_rate, bool) \
+                or not min_compression_rate >= 1:  # NaN fails too
+            raise ValueError(f"powersgd: min_compression_rate must be a number >= 1, got {min_compression_rate!r}")
+        self.rank = rank
+        self.warmup_steps = warmup_steps
+        self.min_compression_rate = float(min_compression_rate)
+
+    def compressible(self, param) -> bool:
+        if param.dim() < 2:
+            return False
+        n, m = param.shape[0], param.numel() // param.shape[0]
+        return n * m >= self.min_compression_rate * (n + m) * self.rank
+
+    def init(self, model):
+        """Per bucket: residuals and one wire buffer [Q's | dense gradients], both kept across steps; the
+        P's live in scratch shared by the buckets of a dtype and device (the engine runs one at a time)."""
+        r, gen = self.rank, torch.Generator().manual_seed(_Q_SEED)
+        plans, need = [], {}  # need: (dtype, device) -> the most P elements of one bucket
+        for b in model.buckets:
+            low = [j for j, p in enumerate(b.params) if self.compressible(p)]
+            dense = [j for j in range(len(b.params)) if j not in low]
+            shapes = [(b.params[j].shape[0], b.params[j].numel() // b.params[j].shape[0]) for j in low]
+            need[b.dtype, b.device] = max(need.get((b.dtype, b.device), 0), sum(n * r for n, _ in shapes))
+            plans.append((b, low, dense, shapes))
+        scratch = {key: torch.empty(k, dtype=key[0], device=key[1]) for key, k in need.items()}
+        self.residuals, self.qs, self.p_bufs, self.wires, self.matrices, self.dense = ([] for _ in range(6))
+        for b, low, dense, shapes in plans:
+            n_q = sum(m * r for _, m in shapes)
+            wire = torch.empty(n_q + sum(b.params[j].numel() for j in dense), dtype=b.dtype, device=b.device)
+            wire[:n_q].copy_(torch.randn(n_q, generator=gen))
+            residual = torch.zeros(sum(n * m for n, m in shapes), dtype=b.dtype, device=b.device)
+            p_all = scratch[b.dtype, b.device][:sum(n * r for n, _ in shapes)]
+            es, ps = residual.split([n * m for n, m in shapes]), p_all.split([n * r for n, _ in shapes])
+            qs = wire[:n_q].split([m * r for _, m in shapes])
+            # per matrix: (gradient slot, M / residual, P, Q), each viewed (rows, columns)
+            self.matrices.append([(b.view(j).view(n, m), e.view(n, m), p.view(n, r), q.view(m, r))
+                                  for j, (n, m), e, p, q in zip(low, shapes, es, ps, qs)])
+            slots = [b.view(j).view(-1) for j in dense]
+            self.dense.append(list(zip(slots, wire[n_q:].split([s.numel() for s in slots]))))
+            self.residuals.append(residual)
+            self.qs.append(wire[:n_q])
+            self.p_bufs.append(p_all)
+            self.wires.append(wire)
+
+    def bucket_ops(self, bucket):
+        def powersgd(flat, b=bucket.index):
+            if self.step < self.warmup_steps:
+                comm.allreduce(flat, "avg", group=self.process_group)  # warm-up: dense SGD, no residuals
+            else:
+                self.compress_and_average(b)
+        powersgd.__name__ = f"powersgd_bucket{bucket.index}"
+        return [powersgd]
+
+    def compress_and_average(self, b):
+        mats, group = self.matrices[b], self.process_group
+        for g, m, p, q in mats:
+            m.add_(g)                                      # M <- G + e
+            torch.mm(m, q, out=p)                          # P <- M Q
+        if mats:
+            comm.allreduce(self.p_bufs[b], "sum", group=group)
+        for g, m, p, q in mats:
+            p.copy_(torch.linalg.qr(p).Q)                  # P^ <- ORTHOGONALIZE(P)
+            torch.mm(m.t(), p, out=q)                      # Q <- M^T P^
+            m.addmm_(p, q.t(), alpha=-1)                   # e <- M - P^ Q^T
+        for slot, buf in self.dense[b]:
+            buf.copy_(slot)
+        comm.allreduce(self.wires[b], "avg", group=group)  # Q <- mean(Q), and the dense gradients' mean
+        for slot, buf in self.dense[b]:
+            slot.copy_(buf)
+        for g, m, p, q in mats:
+            torch.mm(p, q.t(), out=g)                      # G <- P^ Q^T
+
+    def state_dict(self):
+        return {"step": self.step, "residuals": [e.clone() for e in self.residuals], "qs": [q.clone() for q in self.qs]}
+
+    def load_state_dict(self, state):
+        pairs = list(zip(self.residuals, state["residuals"])) + list(zip(self.qs, state["qs"]))
+        if len(pairs) != 2 * len(self.qs) or any(dst.shape != src.shape for dst, src in pairs):
+            raise ValueError("powersgd: load_state_dict: the state's residuals/qs do not match this model's buckets")
+        self.step = int(state["step"])
+        for dst, src in pairs:
+            dst.copy_(src)
+

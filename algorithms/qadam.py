@@ -1,0 +1,132 @@
+"""QAdam / 1-bit Adam (Tang et al. 2021; BAGUA's q_adam): Adam whose momentum, not its gradient, travels
+compressed once Adam's second moment has settled and been frozen. The optimizer is the user's own
+``torch.optim.Adam`` or ``AdamW``; with g the local gradient (plus wd * x for Adam's coupled decay)::
+
+    step < warmup_steps:   g <- mean over ranks of g;  Adam's own step (m and v both updated)
+    afterwards (v frozen): m_local <- beta1 * m + (1 - beta1) * g            # in the bucket, per rank
+                           m <- compressed_mean(m_local; error feedback e)     # e per bucket, kept here
+                           t <- t + 1;  x <- x * (1 - lr * wd)                 # AdamW only
+                           x <- x - lr / (1 - beta1^t) * m / (sqrt(v / (1 - beta2^t)) + eps)
+
+m is identical on every rank (it is the previous step's averaged momentum), so the replicas stay
+identical. The post-warm-up update runs in an optimizer step pre-hook, which then sets ``.grad`` to None
+so that torch's step skips the parameter. ``compression``: any registered compressor (not ``none``); the
+framework's error-feedback residual keeps what it lost, on the sender's side only (1-bit Adam also keeps
+one on the reducer's side). Steps after warm-up need a synchronised backward before ``optimizer.step()``.
+"""
+import math
+
+import torch
+
+from bagua_lite import comm, compressors
+from bagua_lite.algorithm import Algorithm, fill_slot, register
+
+
+@register("qadam")
+class QAdam(Algorithm):
+    #: the optimizers it works with (bagua_lite.demo gives it Adam; in the benchmark set optimizer: adam)
+    optimizer_kinds = ("adam", "adamw")
+
+    def __init__(self, warmup_steps: int = 100, compression: str = "minmax_uint8"):
+        super().__init__()
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
+            raise ValueError(f"qadam: warmup_steps must be an int >= 1 (Adam's second moment is estimated "
+                             f"during warm-up, then frozen), got {warmup_steps!r}")
+        if compression is None or compression == "none":
+            raise ValueError(f"qadam: compression must be a compressor, got {compression!r}; choose one of "
+                             + ", ".join(repr(n) for n in compressors.registered_compressors() if n != "none"))
+        self.compressor = compressors.get_compressor(compression, "qadam")
+        self.warmup_steps, self.compression = warmup_steps, compression
+        self._hook, self._synced = None, False
+
+    def init(self, model):
+        opt = model.optimizer
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            raise TypeError(f"qadam: the optimizer must be torch.optim.Adam or torch.optim.AdamW, got "
+                            f"{type(opt).__name__} ({type(opt).__module__}.{type(opt).__qualname__})")
+        for i, group in enumerate(opt.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag, False):
+                    raise ValueError(f"qadam: param group {i} has {flag}=True; qadam supports neither amsgrad "
+                                     f"nor maximize (set them False)")
+        mine = {p for b in model.buckets for p in b.params}
+        self._groups = {p: g for g in opt.param_groups for p in g["params"] if p in mine}
+        self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]
+        self._hook = opt.register_step_pre_hook(self._update)
+
+    def bucket_ops(self, bucket):
+        pg, residual = self.process_group, self.residuals[bucket.index]
+        dense = self.native.AllreduceOp(pg, False).run  # warm-up: pre-scaled by 1/P in on_gradient
+        if self.compressor.native:
+            compressed = self.native.CompressedAllreduceOp(pg, self.compressor.name, True, residual).run
+        else:
+            def compressed(flat):  # a user's Python compressor
+                comm.compressed_allreduce(flat, self.compressor, group=pg, residual=residual)
+
+        def qadam_allreduce(flat):  # Op.run releases the GIL for the collective
+            (dense if self.step < self.warmup_steps else compressed)(flat)
+        return [qadam_allreduce]
+
+    def on_gradient(self, bucket, position, grad):
+        if self.step < self.warmup_steps:  # gradient averaging, as gradient_allreduce
+            return fill_slot(bucket.view(position), grad, 1.0 / self.world_size)
+        p, m = bucket.params[position], bucket.view(position)
+        fill_slot(m, grad)  # g (zeros if this rank got none)
+        group = self._groups.get(p)
+        if group is None:  # not in the optimizer: its gradient travels as it is
+            return
+        if group["weight_decay"] and not self._decoupled(group):
+            m.add_(p.detach(), alpha=group["weight_decay"])  # Adam's coupled decay: g + wd * x
+        beta1 = float(group["betas"][0])
+        m.mul_(1 - beta1).add_(self._state(p)["exp_avg"], alpha=beta1)  # m_local
+
+    def after_backward(self):
+        self._synced = True
+
+    def _update(self, optimizer, args, kwargs):
+        """Step pre-hook: after warm-up, Adam's update from the averaged momentum and the frozen v."""
+        synced, self._synced = self._synced, False
+        if self.step < self.warmup_steps:
+            return
+        if not synced:
+            raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
+                               "first (its momentum is what the ranks exchange)")
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+                beta1, beta2 = (float(b) for b in group["betas"])
+                for p in group["params"]:
+                    if p.grad is None or p not in self._groups:
+                        continue
+                    state = self._state(p)
+                    state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
+                    state["step"] += 1
+                    t = float(state["step"])
+                    if wd and self._decoupled(group):
+                        p.mul_(1 - lr * wd)
+                    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+                    p.grad = None  # torch's Adam.step skips it
+
+    def _decoupled(self, group):
+        return group.get("decoupled_weight_decay", isinstance(self.model.optimizer, torch.optim.AdamW))
+
+    def _state(self, p):
+        state = self.model.optimizer.state.get(p, {})
+        if "exp_avg_sq" not in state:
+            raise RuntimeError(f"qadam: a parameter of shape {tuple(p.shape)} has no Adam state after warm-up "
+                               f"(it needs at least one optimizer step with a gradient during warm-up)")
+        return state
+
+    def close(self):
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def state_dict(self):
+        return {"step": self.step, "residuals": [r.clone() for r in self.residuals]}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+        for dst, src in zip(self.residuals, state.get("residuals", [])):
+            dst.copy_(src)

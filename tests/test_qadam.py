@@ -1,0 +1,240 @@
+"""qadam (QAdam / 1-bit Adam) on real spawned gloo groups, P = 1..5, one round trip per world size.
+
+* warm-up: qadam + Adam equals gradient_allreduce + Adam bit for bit, step by step (several buckets);
+* after warm-up (Adam with coupled weight decay, and AdamW with decoupled decay, minmax_uint8):
+  exp_avg_sq never changes, exp_avg is the communicated momentum (the bucket's content), the Adam step
+  counter is the same tensor type torch keeps, replicas are bit-identical after every step, and the
+  loss on a fixed batch falls;
+* one post-warm-up step against a float64 reference built from plain torch: the momentum is the mean of
+  the ranks' local momenta beta1 * m + (1 - beta1) * (g (+ wd * x)) up to compression (exactly, at P = 1;
+  with minmax_uint8, fp16 and a user's Python compressor),
+  and the parameters moved by Adam's update with that momentum and the frozen second moment (after a
+  scheduler-style change of lr);
+* resuming from (module, optimizer, algorithm) state dicts is bit-identical to an uninterrupted run;
+* errors: a non-Adam optimizer (TypeError naming it), amsgrad / maximize, a bad compression or
+  warm-up, and a step without a synchronised backward after warm-up.
+"""
+import os
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import bagua_lite
+import bagua_lite.algorithms
+from bagua_lite.algorithm import build
+
+from test_compressors import AbsMax4  # noqa: F401  (registers the user compressor "absmax4_test")
+
+D_IN, HIDDEN, CLASSES = 8, 16, 4
+WARMUP = 3
+LEVELS = {"minmax_uint8": 255, "fp16": 255, "absmax4_test": 7}  # quantization steps over a range
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUCKET_MB = 0.0003  # ~300 bytes: the 212 parameters in two buckets
+_W_TRUE = torch.randn(D_IN, CLASSES, generator=torch.Generator().manual_seed(5))
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)  # tanh, not ReLU: no dead unit whose frozen second moment is 0
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _batch(rank, step, n=32):
+    g = torch.Generator().manual_seed(rank * 7919 + step * 31 + 17)
+    x = torch.randn(n, D_IN, generator=g)
+    return x, (x @ _W_TRUE).argmax(1)
+
+
+def _flat(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+
+
+def _optimizer(kind, net, lr=1e-2, **kw):
+    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[kind](
+        net.parameters(), lr=lr, **kw)
+
+
+def _model(kind, opt_kw=None, alg="qadam", **alg_kw):
+    net = _net()
+    opt = _optimizer(kind, net, **(opt_kw or {}))
+    return net, opt, bagua_lite.DistributedModel(net, opt, build(alg, **alg_kw), bucket_size_mb=BUCKET_MB)
+
+
+def _step(model, opt, rank, s):
+    x, y = _batch(rank, s)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _same_on_all_ranks(t):
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
+    return all(torch.equal(e, everyone[0]) for e in everyone)
+
+
+def _warmup_matches_gradient_allreduce(rank, wd):
+    a = _model("adam", {"weight_decay": wd}, warmup_steps=10)
+    b = _model("adam", {"weight_decay": wd}, alg="gradient_allreduce")
+    assert len(a[2].buckets) >= 2, a[2].buckets
+    for s in range(4):
+        for net, opt, model in (a, b):
+            _step(model, opt, rank, s)
+        assert torch.equal(_flat(a[0]), _flat(b[0])), f"warm-up step {s}: qadam differs from gradient_allreduce"
+    for _, _, model in (a, b):
+        model.close()
+
+
+def _post_warmup(rank, P, kind, wd, compression="minmax_uint8", steps=25, check_at=WARMUP + 4):
+    net, opt, model = _model(kind, {"weight_decay": wd}, warmup_steps=WARMUP, compression=compression)
+    params = list(net.parameters())
+    x_eval, y_eval = _batch(1000, 0, n=256)
+
+    def eval_loss():
+        with torch.no_grad():
+            return float(F.cross_entropy(net(x_eval), y_eval))
+    first = eval_loss()
+    for s in range(steps):
+        frozen = [opt.state[p]["exp_avg_sq"].clone() for p in params] if s >= WARMUP else None
+        if s == check_at:
+            opt.param_groups[0]["lr"] *= 0.5  # as a scheduler would
+            before = _reference_inputs(rank, model, opt, params, s, kind, wd)
+        _step(model, opt, rank, s)
+        assert _same_on_all_ranks(_flat(net)), f"{kind}: replicas differ after step {s}"
+        if frozen is None:
+            continue
+        for p, v in zip(params, frozen):
+            assert torch.equal(opt.state[p]["exp_avg_sq"], v), f"{kind}: exp_avg_sq changed at step {s}"
+            st = opt.state[p]["step"]
+            assert isinstance(st, torch.Tensor) and st.dtype == torch.float32 and float(st) == s + 1, st
+        for b in model.buckets:
+            for j, p in enumerate(b.params):
+                assert torch.equal(opt.state[p]["exp_avg"], b.view(j)), f"{kind}: exp_avg is not the bucket's momentum"
+                assert p.grad is None, "the pre-hook hands torch's Adam no gradient"
+        if s == check_at:
+            _check_reference(P, model, opt, params, s, kind, wd, before, LEVELS[compression])
+    last = eval_loss()
+    model.close()
+    assert last < (0.8 if steps >= 20 else 1.0) * first, f"{kind}: held-out loss {first:.4f} -> {last:.4f}"
+    return first, last
+
+
+def _slots(model):
+    """param -> (bucket, offset): where its gradient / momentum and its residual live in bucket layout."""
+    return {p: (b, b.offsets[j]) for b in model.buckets for j, p in enumerate(b.params)}
+
+
+def _residual(model, p):
+    b, o = _slots(model)[p]
+    return model.algorithm.residuals[b.index][o:o + p.numel()].double().view_as(p).clone()
+
+
+def _reference_inputs(rank, model, opt, params, s, kind, wd):
+    """This rank's local momentum for step s from plain torch (autograd.grad: no bucket hooks), plus
+    what the step starts from: weights and error-feedback residuals."""
+    x, y = _batch(rank, s)
+    g = torch.autograd.grad(F.cross_entropy(model.module(x), y), params)
+    beta1 = opt.param_groups[0]["betas"][0]
+    m_local = []
+    for p, gp in zip(params, g):
+        gp = gp.double() + (wd * p.detach().double() if kind == "adam" else 0)
+        m_local.append(beta1 * opt.state[p]["exp_avg"].double() + (1 - beta1) * gp)
+    return {"x": [p.detach().double().clone() for p in params], "m_local": m_local,
+            "residual": [_residual(model, p) for p in params]}
+
+
+def _check_reference(P, model, opt, params, s, kind, wd, before, levels):
+    group = opt.param_groups[0]
+    lr, (b1, b2), eps, t = group["lr"], group["betas"], group["eps"], s + 1
+    for i, p in enumerate(params):
+        m = opt.state[p]["exp_avg"].double()
+        # error feedback: rank r sent m_local + old residual and kept the part compression lost as its new
+        # residual; what remains is the one compression of the averaged chunk (< a quantization step)
+        sent = before["m_local"][i] + before["residual"][i] - _residual(model, p)
+        everyone = [torch.empty_like(sent) for _ in range(P)]
+        dist.all_gather(everyone, sent)
+        mean = torch.stack(everyone).mean(0)
+        b, _ = _slots(model)[p]
+        tol = 1e-6 + (0 if P == 1 else float(b.flat.max() - b.flat.min()) / levels)
+        err = float((m - mean).abs().max())
+        assert err <= tol, f"{kind} param {i}: momentum is {err} away from the ranks' mean (tolerance {tol})"
+        v = opt.state[p]["exp_avg_sq"].double()
+        x = before["x"][i] * (1 - lr * wd if kind == "adamw" else 1.0)
+        want = x - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        err = float((p.detach().double() - want).abs().max())
+        assert err < 1e-6, f"{kind} param {i}: update differs from Adam with frozen v by {err}"
+
+
+def _resume(rank, total=10, cut=6):
+    def run(model, opt, lo, hi):
+        for s in range(lo, hi):
+            _step(model, opt, rank, s)
+
+    alg = {"warmup_steps": WARMUP, "compression": "minmax_uint8"}
+    net, opt, model = _model("adamw", {"weight_decay": 0.05}, **alg)
+    run(model, opt, 0, total)
+    model.close()
+    want = _flat(net)
+
+    net, opt, model = _model("adamw", {"weight_decay": 0.05}, **alg)
+    run(model, opt, 0, cut)
+    saved = {"net": net.state_dict(), "opt": opt.state_dict(), "alg": model.algorithm_state_dict()}
+    assert any(float(r.abs().max()) > 0 for r in saved["alg"]["residuals"]) or dist.get_world_size() == 1
+    model.close()
+    net2 = _net(seed=123)
+    net2.load_state_dict(saved["net"])
+    opt2 = _optimizer("adamw", net2, weight_decay=0.05)
+    opt2.load_state_dict(saved["opt"])
+    model2 = bagua_lite.DistributedModel(net2, opt2, build("qadam", **alg), bucket_size_mb=BUCKET_MB)
+    model2.load_algorithm_state_dict(saved["alg"])
+    run(model2, opt2, cut, total)
+    model2.close()
+    assert torch.equal(_flat(net2), want), "resumed run differs from the uninterrupted one"
+
+
+def _errors(rank):
+    def raises(exc, pattern, fn):
+        with pytest.raises(exc) as info:
+            fn()
+        assert re.search(pattern, str(info.value)), str(info.value)
+
+    raises(TypeError, r"torch\.optim\.Adam or torch\.optim\.AdamW, got SGD \(", lambda: _model("sgd", warmup_steps=2))
+    raises(ValueError, r"amsgrad=True", lambda: _model("adam", {"amsgrad": True}, warmup_steps=2))
+    raises(ValueError, r"maximize=True", lambda: _model("adamw", {"maximize": True}, warmup_steps=2))
+    net, opt, model = _model("adam", warmup_steps=1)
+    _step(model, opt, rank, 0)
+    raises(RuntimeError, r"synchronised backward", opt.step)  # after warm-up, no backward
+    model.close()
+
+
+def _r_all(rank, P):
+    _errors(rank)
+    _warmup_matches_gradient_allreduce(rank, wd=0.01)
+    losses = {(kind, wd): _post_warmup(rank, P, kind, wd) for kind, wd in (("adam", 0.01), ("adamw", 0.1))}
+    for compression in ("fp16", "absmax4_test"):  # another native compressor; a user's, in Python
+        _post_warmup(rank, P, "adam", 0.0, compression=compression, steps=WARMUP + 3, check_at=WARMUP + 1)
+    _resume(rank)
+    return losses
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 5], ids=lambda p: f"P{p}")
+def test_qadam(clusters, P):
+    res = clusters.get(P).run(_r_all, timeout=120)
+    assert all(r == res[0] for r in res), "ranks saw different held-out losses"
+
+
+def test_bad_options_are_clear():
+    with pytest.raises(ValueError, match=r"unknown compression 'int3'.*'fp16'.*'minmax_uint8'"):
+        build("qadam", compression="int3")
+    with pytest.raises(ValueError, match=r"compression must be a compressor, got 'none'; choose one of .*'fp16'"):
+        build("qadam", compression="none")
+    with pytest.raises(ValueError, match=r"warmup_steps must be an int >= 1.*got 0"):
+        build("qadam", warmup_steps=0)
+    with pytest.raises(TypeError, match=r"warmup_steps"):
+        build("qadam", warmup_steps=2.5)
+    alg = bagua_lite.load_config(os.path.join(ROOT, "configs", "qadam.yaml")).algorithm
+    assert alg.name == "qadam" and "adam" in alg.optimizer_kinds
