@@ -46,7 +46,11 @@ def _minmax_ref(x):
     lo, hi = np.float32(xf.min()), np.float32(xf.max())
     rng = np.float32(hi - lo)
     scale = np.float32(255.0) / rng if rng > 0 else np.float32(0)
-    q = np.rint(np.clip((xf - lo) * scale, 0, 255)).astype(np.uint8)
+    if rng > 0 and lo <= 0 <= hi:  # the grid is anchored at 0: zero is a level
+        origin, zero = np.float32(0), np.rint(-lo * scale).astype(np.float32)
+    else:
+        origin, zero = lo, np.float32(0)
+    q = np.rint(np.clip((xf - origin) * scale + zero, 0, 255)).astype(np.uint8)
     return lo, hi, q
 
 
@@ -72,9 +76,23 @@ def test_minmax_roundtrip_and_wire(n, dtype):
         if dtype == torch.float16:
             tol += 2.0 ** -10 * max(abs(float(lo)), abs(float(hi)))  # rounding of the decoded value to half
         assert err <= tol, (err, tol)
-        # Extremes are exact: min decodes to min, max to max (up to float rounding of the step sum).
-        assert y.double().min().item() == pytest.approx(float(lo), abs=1e-6 * (1 + abs(float(lo))))
-        assert y.double().max().item() == pytest.approx(float(hi), rel=1e-6, abs=1e-6)
+        if not float(lo) <= 0 <= float(hi):
+            # Anchored at min: the extremes are exact (up to float rounding of the step sum).
+            assert y.double().min().item() == pytest.approx(float(lo), abs=1e-6 * (1 + abs(float(lo))))
+            assert y.double().max().item() == pytest.approx(float(hi), rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.parametrize("shift", [0.0, -0.3, 0.7])
+def test_minmax_keeps_exact_zeros(shift):
+    """A range containing 0 puts 0 on the grid: entries that are exactly 0 decode to exactly 0 (so a
+    coordinate that never gets a gradient is never moved by quantization noise); other entries stay
+    within half a step."""
+    x = _rand(10_000, 3, torch.float32) + shift
+    x[::7] = 0.0
+    y = K.decompress(K.compress(x, "minmax_uint8"), "minmax_uint8", x.numel(), torch.float32)
+    assert torch.equal(y[::7], torch.zeros_like(y[::7]))
+    step = float(x.max() - x.min()) / 255
+    assert float((y - x).abs().max()) <= step / 2 * 1.0001
 
 
 @pytest.mark.parametrize("value", [0.0, -3.25, 1e6])
@@ -94,11 +112,20 @@ def test_minmax_decompress_is_deterministic_function_of_bytes():
     a = K.decompress(w, "minmax_uint8", 5000, torch.float32)
     b = K.decompress(w.clone(), "minmax_uint8", 5000, torch.float32)
     assert torch.equal(a, b)
-    # Decoding formula lo + q * step in float32.
-    lo, hi = w[:8].view(torch.float32).tolist()
-    step = np.float32((np.float32(hi) - np.float32(lo)) / np.float32(255))
-    ref = np.float32(lo) + w[8:].numpy().astype(np.float32) * step
+    # Decoding formula in float32: (q - z) * step with z = rint(-lo * 255 / (hi - lo)) when lo <= 0 <= hi
+    # (this data crosses 0), else lo + q * step.
+    lo, hi = (np.float32(v) for v in w[:8].view(torch.float32).tolist())
+    assert lo < 0 < hi
+    step = np.float32((hi - lo) / np.float32(255))
+    z = np.rint(-lo * (np.float32(255) / (hi - lo))).astype(np.float32)
+    ref = np.float32(0) + (w[8:].numpy().astype(np.float32) - z) * step
     assert np.array_equal(a.numpy(), ref.astype(np.float32))
+    shifted = x.abs() + 1.0  # all positive: the grid is anchored at min
+    w = K.compress(shifted, "minmax_uint8")
+    lo, hi = (np.float32(v) for v in w[:8].view(torch.float32).tolist())
+    step = np.float32((hi - lo) / np.float32(255))
+    ref = lo + w[8:].numpy().astype(np.float32) * step
+    assert np.array_equal(K.decompress(w, "minmax_uint8", 5000, torch.float32).numpy(), ref.astype(np.float32))
 
 
 def test_compress_bad_arguments():

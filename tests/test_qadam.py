@@ -107,8 +107,12 @@ def _post_warmup(rank, P, kind, wd, compression="minmax_uint8", steps=25, check_
         assert _same_on_all_ranks(_flat(net)), f"{kind}: replicas differ after step {s}"
         if frozen is None:
             continue
+        b2 = opt.param_groups[0]["betas"][1]
         for p, v in zip(params, frozen):
-            assert torch.equal(opt.state[p]["exp_avg_sq"], v), f"{kind}: exp_avg_sq changed at step {s}"
+            if s == WARMUP:  # the freeze: bias-corrected once by the WARMUP Adam steps it had
+                assert torch.equal(opt.state[p]["exp_avg_sq"], v / (1 - b2 ** float(WARMUP))), kind
+            else:
+                assert torch.equal(opt.state[p]["exp_avg_sq"], v), f"{kind}: exp_avg_sq changed at step {s}"
             st = opt.state[p]["step"]
             assert isinstance(st, torch.Tensor) and st.dtype == torch.float32 and float(st) == s + 1, st
         for b in model.buckets:
@@ -164,7 +168,7 @@ def _check_reference(P, model, opt, params, s, kind, wd, before, levels):
         assert err <= tol, f"{kind} param {i}: momentum is {err} away from the ranks' mean (tolerance {tol})"
         v = opt.state[p]["exp_avg_sq"].double()
         x = before["x"][i] * (1 - lr * wd if kind == "adamw" else 1.0)
-        want = x - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        want = x - lr * (m / (1 - b1 ** t)) / (v.sqrt() + eps)  # v: bias-corrected once, at the freeze
         err = float((p.detach().double() - want).abs().max())
         assert err < 1e-6, f"{kind} param {i}: update differs from Adam with frozen v by {err}"
 

@@ -118,6 +118,28 @@ class SignCompressor final : public Compressor {
 
 // Quantize n values to uint8 over [min, max]. Header holds min and max as float32 so that every
 // receiver reconstructs exactly the same values from the same bytes.
+// The uint8 grid of a [lo, hi] header: q = round((x - origin) * scale + zero), x ~= origin + (q - zero) * step.
+// When [lo, hi] contains 0 the grid is anchored at 0 (origin 0, zero = round(-lo * scale)), so 0 is a level
+// and decodes to exactly 0: coordinates that are exactly 0 (never-touched parameters, sparse gradients)
+// stay exactly 0 through compression. Otherwise it is anchored at lo (origin lo, zero 0), which keeps
+// full precision for a range far from 0. Error <= step / 2 either way (the 0-anchored grid shifts the
+// levels by less than half a step, and hi * scale + zero <= 255.5 rounds into the range).
+struct MinMaxGrid {
+  float origin, scale, step, zero;
+  MinMaxGrid(float lo, float hi) {
+    const float range = hi - lo;
+    scale = range > 0.f ? 255.f / range : 0.f;
+    step = range / 255.f;
+    if (range > 0.f && lo <= 0.f && hi >= 0.f) {
+      origin = 0.f;
+      zero = std::nearbyint(-lo * scale);
+    } else {
+      origin = lo;
+      zero = 0.f;
+    }
+  }
+};
+
 class MinMaxUInt8Compressor final : public Compressor {
  public:
   static constexpr int64_t kHeader = 2 * sizeof(float);
@@ -138,8 +160,7 @@ class MinMaxUInt8Compressor final : public Compressor {
       BL_CHECK(std::isfinite(header[0]) && std::isfinite(header[1]),
                "minmax_uint8 compress: input must be finite (min=", header[0], ", max=", header[1], ")");
     }
-    const float lo = header[0], range = header[1] - header[0];
-    const float scale = range > 0.f ? 255.f / range : 0.f;
+    const MinMaxGrid grid(header[0], header[1]);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "minmax_uint8_compress", [&] {
       const scalar_t* p = x.const_data_ptr<scalar_t>();
       at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
@@ -147,11 +168,11 @@ class MinMaxUInt8Compressor final : public Compressor {
         // __restrict__ lo and scale would be reloaded every element), so the compiler vectorizes it:
         // clamp to [0, 255], round to nearest even (adding and subtracting 1.5 * 2^23 rounds in the FPU's
         // default mode, like nearbyint, without a library call), convert the exact integer.
-        const float lo_ = lo, scale_ = scale;
+        const float origin = grid.origin, scale = grid.scale, zero = grid.zero;
         const scalar_t* __restrict__ src = p;
         uint8_t* __restrict__ dst = q;
         for (int64_t i = b; i < e; ++i) {
-          float v = (static_cast<float>(src[i]) - lo_) * scale_;
+          float v = (static_cast<float>(src[i]) - origin) * scale + zero;
           v = v < 0.f ? 0.f : v;
           v = v > 255.f ? 255.f : v;
           v = (v + 12582912.f) - 12582912.f;
@@ -168,7 +189,8 @@ class MinMaxUInt8Compressor final : public Compressor {
     if (!out.device().is_cpu()) return decompress_aten(in, out, accumulate);
     float header[2];
     std::memcpy(header, in.const_data_ptr<uint8_t>(), kHeader);
-    const float lo = header[0], step = (header[1] - header[0]) / 255.f;
+    const MinMaxGrid grid(header[0], header[1]);
+    const float origin = grid.origin, step = grid.step, zero = grid.zero;
     const uint8_t* q = in.const_data_ptr<uint8_t>() + kHeader;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "minmax_uint8_decompress", [&] {
       // Accumulate in the output's op-math type (double for float64), like an add of the decoded values.
@@ -177,10 +199,10 @@ class MinMaxUInt8Compressor final : public Compressor {
       at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
         if (accumulate) {
           for (int64_t i = b; i < e; ++i) {
-            p[i] = static_cast<scalar_t>(static_cast<acc_t>(p[i]) + static_cast<acc_t>(lo + q[i] * step));
+            p[i] = static_cast<scalar_t>(static_cast<acc_t>(p[i]) + static_cast<acc_t>(origin + (q[i] - zero) * step));
           }
         } else {
-          for (int64_t i = b; i < e; ++i) p[i] = static_cast<scalar_t>(lo + q[i] * step);
+          for (int64_t i = b; i < e; ++i) p[i] = static_cast<scalar_t>(origin + (q[i] - zero) * step);
         }
       });
     });
@@ -190,17 +212,26 @@ class MinMaxUInt8Compressor final : public Compressor {
   // Device-agnostic path (CUDA tensors in builds without the .cu kernels): same formula via ATen.
   void compress_aten(const at::Tensor& x, at::Tensor& out) const {
     auto xf = x.reshape(-1).to(at::kFloat);
-    auto lo = xf.numel() ? xf.min() : at::zeros({}, xf.options());
-    auto hi = xf.numel() ? xf.max() : at::zeros({}, xf.options());
-    auto range = hi - lo;
-    auto scale = at::where(range > 0, 255.f / range, at::zeros_like(range));
-    out.narrow(0, 0, kHeader).view(at::kFloat).copy_(at::stack({lo, hi}));
-    out.narrow(0, kHeader, xf.numel()).copy_(((xf - lo) * scale).clamp(0, 255).round().to(at::kByte));
+    float lo = 0.f, hi = 0.f;
+    if (xf.numel()) {
+      auto mm = at::aminmax(xf);
+      lo = std::get<0>(mm).item<float>();
+      hi = std::get<1>(mm).item<float>();
+      BL_CHECK(std::isfinite(lo) && std::isfinite(hi), "minmax_uint8 compress: input must be finite (min=", lo,
+               ", max=", hi, ")");
+    }
+    const MinMaxGrid grid(lo, hi);
+    float header[2] = {lo, hi};
+    out.narrow(0, 0, kHeader).copy_(at::from_blob(header, {kHeader}, at::kByte));
+    out.narrow(0, kHeader, xf.numel())
+        .copy_(((xf - grid.origin) * grid.scale + grid.zero).clamp(0, 255).round().to(at::kByte));
   }
   void decompress_aten(const at::Tensor& in, at::Tensor& out, bool accumulate) const {
-    auto header = in.narrow(0, 0, kHeader).view(at::kFloat);
-    auto lo = header[0], step = (header[1] - header[0]) / 255.f;
-    auto v = in.narrow(0, kHeader, out.numel()).to(at::kFloat) * step + lo;
+    float header[2];
+    auto h = in.narrow(0, 0, kHeader).cpu();
+    std::memcpy(header, h.const_data_ptr<uint8_t>(), kHeader);
+    const MinMaxGrid grid(header[0], header[1]);
+    auto v = (in.narrow(0, kHeader, out.numel()).to(at::kFloat) - grid.zero) * grid.step + grid.origin;
     auto flat = out.view(-1);
     if (accumulate) flat.add_(v); else flat.copy_(v);
   }

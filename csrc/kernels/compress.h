@@ -2,7 +2,9 @@
 // A compressor turns n elements into wire_bytes(n) bytes and back. Wire formats (little endian):
 //   fp16          n * 2 bytes of IEEE half.
 //   bf16          n * 2 bytes of bfloat16 (float32's exponent range: no overflow where fp16 would).
-//   minmax_uint8  [min: f32][max: f32][n bytes q], x ~= min + q * (max - min) / 255  (BAGUA's ByteGrad).
+//   minmax_uint8  [min: f32][max: f32][n bytes q], step = (max - min) / 255  (BAGUA's ByteGrad). If
+//                 min <= 0 <= max: x ~= (q - z) * step with z = round(-min / step), so 0 is exactly a
+//                 level; otherwise x ~= min + q * step.
 //   sign          [scale: f32][ceil(n/8) bytes], bit i%8 of byte i/8 set iff x_i >= 0; x ~= +-scale,
 //                 scale = mean |x| (1 bit per element; meant to be used with error feedback).
 #pragma once
