@@ -9,7 +9,15 @@ interface, which is exactly this). Notation, per bucket of ``n`` elements of ``e
     ring(m)   = floor(2 (P-1) m / P)   bytes a rank sends in a ring allreduce (what comm counts)
     T_ring(m) = 2 (P-1) alpha + ring(m) beta
     k         = max(1, min(n, round(density * n)))          (as ErrorFeedbackSparsifier.k_for)
-    wire(c)   = 2c (fp16) | 8 + c (minmax_uint8: float32 min and max, then c bytes)
+    wire(c)   = 2c (fp16, bf16) | 8 + c (minmax_uint8: float32 min and max, then c bytes)
+                | 4 + ceil(c/8) (sign: float32 mean |x|, then a bit per element)
+                | a user's compressor: its wire_bytes(c), padded to 8 bytes (pad(x) = 8 ceil(x/8))
+                  wherever its buffers are (the Python path of the compressed allreduce)
+    codec     = one compress + decompress round trip per element: Machine.fp16_s_per_elem,
+                bf16_s_per_elem, quantize_s_per_elem (minmax_uint8 and users'), sign_s_per_elem
+    CA(n)     = the compressed allreduce of n elements (gradient_allreduce's, below): its bytes,
+                2 (P-1) alpha + bytes beta, and local n codec (3 + 1/P)/2; with a residual (error
+                feedback) + n (codec/2 + 2 add)
     c_i       = n // P + (i < n % P)                         (chunk i of a compressed allreduce)
     P'        = the largest power of two <= P,   L = log2 P'
 
@@ -32,13 +40,14 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        P Q^T: 2 n r flops each) at max(flop rate, one pass over M), and four passes
                        for error feedback. One bucket (the benchmark runs it so): no overlap.
 ``gradient_allreduce`` compression none: ring(m), T_ring(m); local: the divide.
-                       fp16 / minmax_uint8 (csrc/collectives/compressed_allreduce.cpp): all-to-all
+                       Any compressor (csrc/collectives/compressed_allreduce.cpp): all-to-all
                        of compressed chunks, rank i sends sum_{j != i} wire(c_j); then allgather
                        of its recompressed chunk padded to wire(c_0): (P-1) wire(c_0). Busiest rank:
                        the one with the smallest chunk (rank P-1). Time: (P-1) alpha for the
                        all-to-all (the P-1 sends serialise on the sender's link) + (P-1) alpha for
                        the ring allgather + bytes * beta. Local: compress n (1 + 1/P) and
-                       decompress 2n elements: (3 + 1/P)/2 codec round trips per element.
+                       decompress 2n elements: (3 + 1/P)/2 codec round trips per element; sign
+                       (error feedback) adds its residual: + n (codec/2 + 2 add). This is CA(n).
                        ``hierarchical``: treated as dense (flat ring) — a model gap, stated here.
 ``topk``               TopKAllReduce (csrc/collectives/sparse_allreduce.cpp): an allgather of
                        (k, numel, dtype) as 3 int64, then an allgather of [k values][k int32]:
@@ -51,20 +60,67 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        Busiest rank: rank 0, L + [P != P'] messages. ``exact``: + T_ring(k e) and
                        ring(k e) bytes. Local: topk + 2 n * add as for topk, plus a merge of 2k
                        pairs per message (2k * merge each) and the scatter of k pairs.
-``decentralized``      after the optimizer step, on the flat weights (m = all parameters), every
-                       ``communication_interval`` steps (amortised: divided by it). ring: P >= 3
-                       sends m to both neighbours at once on one link: alpha + 2 m beta, 2m bytes;
-                       P = 2 a single exchange: alpha + m beta, m bytes. shift_one: one partner:
-                       alpha + m beta, m bytes (odd P: one rank sits each exchange out; the model
-                       reports the busy ones). all: T_ring(m), ring(m). Local: gather + scatter +
-                       the averaging (ring 5, shift_one 4, all 3 passes over n). Never overlapped.
+``powersgd``           ours (algorithms/powersgd.py), per bucket on the engine, steady state (after
+                       ``warmup_steps``; ``warmup_step_s`` = gradient_allreduce's step). A bucket's
+                       matrices (rows_j x cols_j, compressed when rows cols >= min_compression_rate
+                       (rows + cols) r) and its dense rest d: allreduce of the P's, then of
+                       [Q's | dense]: ring(e r sum rows) + ring(e (r sum cols + d)) bytes, one
+                       T_ring per allreduce made. Shapes from the cost-model-only option
+                       ``bucket_shapes`` (per bucket, its parameters' shapes); without it one
+                       matrix per bucket, rows = round(sqrt n) as ddp_powersgd, cols = n // rows,
+                       the rest dense. Local per matrix of N elements: N add (error feedback) +
+                       4 max(2 N r flops, N add) (M Q, M^T P, M - P Q^T, P Q^T) + 2 rows r^2
+                       flops (QR); dense: 3 d + r sum cols passes. Overlapped like the buckets.
+``qadam``              steady state (after ``warmup_steps``; ``warmup_step_s`` = gradient_allreduce's
+                       step): each bucket's momentum through CA(n) with ``compression`` (default
+                       fp16, as algorithms/qadam.py) and a residual: bytes and time exactly
+                       gradient_allreduce's with that compression plus the residual's work, on the
+                       engine (overlapped); plus 3 n add for the momentum (gradient hook) and the
+                       update (step pre-hook) on the training thread, never hidden.
+``decentralized``      a weight exchange every ``communication_interval`` steps (amortised: divided
+                       by it), on the flat weights (m = all parameters): started when forward starts,
+                       applied after the optimizer step. Unit u = m, or with ``compression``
+                       pad(wire(n)) (decentralized pads its wire buffers). ring: P >= 3 sends u to
+                       both neighbours at once on one link: alpha + 2 u beta, 2u bytes; P = 2, and
+                       ring_one_way and shift_one always, one peer: alpha + u beta, u bytes (odd P
+                       under shift_one: one rank sits each exchange out; the model reports the busy
+                       ones). all: exact T_ring(m), ring(m); compressed: a ring allgather,
+                       (P-1) alpha + (P-1) u beta, (P-1) u bytes. Local (training thread, never
+                       hidden), exact: gather, sum of the k peers' (k-1), subtract, apply: k + 2
+                       passes (all: 4); compressed, with d = peers received from (ring 2, or 1 at
+                       P = 2; ring_one_way 1; all P-1): 3 add passes + (d + 2)/2 codec round trips
+                       (compress + d + 1 decompressions). The transfer overlaps with the whole step:
+                       exposed = max(0, T - compute_s); with Machine.cores_per_rank < 2 on a
+                       host_local network T is copies on the computing cores: exposed = T.
+``low_precision_decentralized``
+                       decentralized with compression minmax_uint8 (and peer_selection ring) by
+                       default; compression none is an error, as in the algorithm.
 ``local_sgd``          steady state: T_ring(m) of the weights every ``period`` steps, after the
                        step (not overlapped): (T_ring(m) + 3 n * add) / period per step, ring(m) /
-                       period bytes. Warm-up steps cost what gradient_allreduce costs; that figure
-                       is returned as ``warmup_step_s``.
+                       period bytes. With ``compression``: CA(n) of the change since the last
+                       average, with a residual, instead of T_ring(m), and 5 passes (snapshot,
+                       x - anchor, + anchor, anchor copy, apply) plus CA's instead of 3. Warm-up steps
+                       cost what gradient_allreduce costs; that figure is returned as
+                       ``warmup_step_s``.
+``async_model_average`` steady state: a background round every I = sync_interval_ms / 1000 s plus
+                       its own length: T_a = the average's transfer (T_ring(m), or CA(n) with
+                       ``compression``) + 2 (P-1) alpha (the go-on flag), local L_a = 4 passes
+                       (snapshot, copy, apply as x + avg - snapshot: 2), compressed 6 + CA's;
+                       period = I + T_a + L_a. The training thread never waits: with
+                       Machine.cores_per_rank < 2 the round's CPU, c = L_a (+ T_a on a host_local
+                       network), is stolen from it, so step = compute_s / (1 - c / period);
+                       otherwise step = compute_s. Bytes per step: the average's bytes (ring(m) or
+                       CA's) times step / period (``rounds_per_step``; ``bytes_per_round`` too;
+                       ``bytes_per_rank()`` refuses it: it needs the step time). ``warmup_step_s``:
+                       gradient_allreduce's step.
 ``auto``               whatever :func:`choose` picks from the options' ``candidates`` (with their
                        ``network`` override if any, as the algorithm does); predicted under ``net``.
 =====================  ==========================================================================
+
+Options not given take the algorithm's defaults (kept in ``_DEFAULTS``, equal to algorithms/*.py); an
+unknown algorithm, compression or peer_selection, and combinations the algorithms refuse (compression
+with shift_one, low_precision_decentralized or qadam without compression), raise ValueError. On P = 1
+nothing is sent; the after-step averaging algorithms are taken as doing no local work either.
 
 Overlap (the engine, or DDP's reducer): backward lasts ``Tb = backward_fraction * compute_s``; bucket i
 is ready when the share of parameters up to and including it has its gradients,
@@ -99,7 +155,8 @@ __all__ = ["Network", "Machine", "Workload", "probe_network", "calibrate_machine
            "bytes_per_rank", "label", "normalize_candidates", "PREDICTABLE", "DEFAULT_AUTO_CANDIDATES"]
 
 PREDICTABLE: Tuple[str, ...] = ("ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "topk", "gtopk",
-                                "decentralized", "local_sgd", "auto")
+                                "powersgd", "qadam", "decentralized", "low_precision_decentralized", "local_sgd",
+                                "async_model_average", "auto")
 
 #: auto's default candidates, most exact first (ties within auto's tolerance go to the earlier one)
 DEFAULT_AUTO_CANDIDATES = (
@@ -111,6 +168,30 @@ DEFAULT_AUTO_CANDIDATES = (
 )
 
 _MINMAX_HEADER = 8  # two float32: min and max (csrc/kernels/compress.cpp)
+_SIGN_HEADER = 4    # one float32: the mean |x|
+
+#: the built-in compressors' wire sizes (bagua_lite/compressors.py); all run natively (no padding)
+_BUILTIN_WIRE = {
+    "fp16": lambda n: 2 * n,
+    "bf16": lambda n: 2 * n,
+    "minmax_uint8": lambda n: _MINMAX_HEADER + n,
+    "sign": lambda n: _SIGN_HEADER + (n + 7) // 8,
+}
+_BUILTIN_FEEDBACK = ("sign",)  # compressors that ask for error-feedback memory
+
+# Defaults of the algorithms' options that change what is predicted (kept equal to algorithms/*.py; the
+# tests compare them with the registered classes' signatures).
+_DEFAULTS = {
+    "decentralized": {"peer_selection": "ring", "communication_interval": 1, "compression": "none"},
+    "low_precision_decentralized": {"peer_selection": "ring", "communication_interval": 1,
+                                    "compression": "minmax_uint8"},
+    "local_sgd": {"period": 4, "compression": "none"},
+    "qadam": {"compression": "fp16"},
+    "powersgd": {"rank": 4, "min_compression_rate": 2.0},
+    "async_model_average": {"sync_interval_ms": 500, "compression": "none"},
+}
+_PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
+_QADAM_EXTRA_PASSES = 3  # momentum (in the gradient hook) and the update (step pre-hook), per element
 
 
 @dataclass
@@ -130,6 +211,8 @@ class Machine:
     merge_s_per_elem: float = 0.0     # kernels.merge_topk, per input pair (0: taken as 4x topk)
     matmul_s_per_flop: float = 0.0    # a skinny (n x n) @ (n x 4) matmul, as PowerSGD runs (0: one pass)
     cores_per_rank: float = 0.0       # CPU cores per rank on a host (0: unknown, taken as plenty)
+    bf16_s_per_elem: float = 0.0      # bf16 compress + decompress (0: taken as fp16's)
+    sign_s_per_elem: float = 0.0      # sign compress + decompress (0: taken as minmax_uint8's)
 
 
 @dataclass
@@ -271,6 +354,8 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
     topk = med(lambda: kernels.topk(x, k)) / numel
     quant = med(lambda: kernels.decompress(kernels.compress(x, "minmax_uint8"), "minmax_uint8", numel)) / numel
     fp16 = med(lambda: kernels.decompress(kernels.compress(x, "fp16"), "fp16", numel)) / numel
+    bf16 = med(lambda: kernels.decompress(kernels.compress(x, "bf16"), "bf16", numel)) / numel
+    sign = med(lambda: kernels.decompress(kernels.compress(x, "sign"), "sign", numel)) / numel
     add = med(lambda: torch.add(x, y, out=z)) / numel
     s = max(1, min(numel // 16, 1 << 16))
     av, ai = kernels.topk(x[: 4 * s].contiguous(), s)
@@ -281,7 +366,8 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
     Q = torch.randn(side, 4, generator=g)
     matmul = med(lambda: M @ Q) / (2.0 * side * side * 4)
     return Machine(topk_s_per_elem=topk, quantize_s_per_elem=quant, fp16_s_per_elem=fp16, add_s_per_elem=add,
-                   merge_s_per_elem=merge, matmul_s_per_flop=matmul, cores_per_rank=cores_per_rank())
+                   merge_s_per_elem=merge, matmul_s_per_flop=matmul, cores_per_rank=cores_per_rank(),
+                   bf16_s_per_elem=bf16, sign_s_per_elem=sign)
 
 
 # ---- traffic ---------------------------------------------------------------------------------------------------
@@ -290,12 +376,38 @@ def _ring(nbytes: int, P: int) -> int:
     return 2 * (P - 1) * int(nbytes) // P if P > 1 and nbytes > 0 else 0
 
 
-def _wire(compression: str, n: int) -> int:
+def _aligned(nbytes: int) -> int:
+    """Rounded up to 8 bytes, as wire buffers handed to Python compressors and decentralized's are."""
+    return (int(nbytes) + 7) // 8 * 8
+
+
+def _compressor(compression):
+    """(wire_bytes(n), native, error_feedback) of a compression: a built-in by its formula, anything else
+    looked up in :mod:`bagua_lite.compressors` (a user's registered compressor); ValueError when unknown."""
+    if isinstance(compression, str) and compression in _BUILTIN_WIRE:
+        return _BUILTIN_WIRE[compression], True, compression in _BUILTIN_FEEDBACK
+    if compression is None or compression == "none":
+        raise ValueError("cost_model: compression 'none' has no wire format")
+    from . import compressors  # a user's compressor: only the registry knows its wire size
+
+    comp = compressors.get_compressor(compression, "cost_model")  # ValueError naming the known ones
+    return comp.wire_bytes, bool(comp.native), bool(comp.error_feedback)
+
+
+def _wire(compression, n: int) -> int:
+    """Bytes of ``n`` elements compressed with ``compression``."""
+    return int(_compressor(compression)[0](int(n)))
+
+
+def _codec_s(compression, machine) -> float:
+    """One compress + decompress round trip, seconds per element (a user's compressor: as minmax_uint8)."""
     if compression == "fp16":
-        return 2 * n
-    if compression == "minmax_uint8":
-        return _MINMAX_HEADER + n
-    raise ValueError(f"cost_model: unknown compression {compression!r}")
+        return machine.fp16_s_per_elem
+    if compression == "bf16":
+        return machine.bf16_s_per_elem or machine.fp16_s_per_elem
+    if compression == "sign":
+        return machine.sign_s_per_elem or machine.quantize_s_per_elem
+    return machine.quantize_s_per_elem
 
 
 def _k(density: float, n: int) -> int:
@@ -309,6 +421,11 @@ def _core(P: int) -> int:
     return c
 
 
+def _side(n: int) -> int:
+    """The side of the square matrix a bucket of n elements is taken as when no shapes are given."""
+    return max(1, int(round(math.sqrt(n))))
+
+
 def _powersgd_sizes(options, n):
     r = int(options.get("rank", options.get("matrix_approximation_rank", 4)))
     shapes = options.get("shapes")
@@ -316,13 +433,148 @@ def _powersgd_sizes(options, n):
         rows = sum(int(s[0]) for s in shapes)
         cols = sum(int(s[1]) for s in shapes)
     else:
-        rows = cols = max(1, int(round(math.sqrt(n))))
+        rows = cols = _side(n)
     return r, rows * r, cols * r, int(options.get("uncompressed", 0))
 
 
-def _bucket_comm(name, options, P, n, e, rank):
+def _options(name, options):
+    """The options with the algorithm's defaults filled in, checked where a wrong value would mislead."""
+    o = dict(_DEFAULTS.get(name, {}))
+    o.update(options)
+    if "compression" in o and o["compression"] != "none":
+        _compressor(o["compression"])  # unknown names: ValueError now
+    if name in ("decentralized", "low_precision_decentralized"):
+        if o["peer_selection"] not in _PEER_SELECTIONS:
+            raise ValueError(f"cost_model: {name}: peer_selection={o['peer_selection']!r} is not allowed; "
+                             f"choose one of {', '.join(_PEER_SELECTIONS)}")
+        if o["compression"] != "none" and o["peer_selection"] == "shift_one":
+            raise ValueError(f"cost_model: {name}: compression needs fixed neighbours, not 'shift_one'")
+        if name == "low_precision_decentralized" and o["compression"] == "none":
+            raise ValueError("cost_model: low_precision_decentralized: compression must be a compressor, not 'none'")
+    if name == "qadam" and o["compression"] in (None, "none"):
+        raise ValueError("cost_model: qadam: compression must be a compressor, not 'none'")
+    for key in ("communication_interval", "period", "rank"):
+        if key in o and not (isinstance(o[key], int) and o[key] >= 1):
+            raise ValueError(f"cost_model: {name}: {key} must be an int >= 1, got {o[key]!r}")
+    if name == "async_model_average" and not o["sync_interval_ms"] > 0:
+        raise ValueError(f"cost_model: async_model_average: sync_interval_ms must be > 0, "
+                         f"got {o['sync_interval_ms']!r}")
+    return o
+
+
+def _compressed_allreduce(compression, P, n, rank):
+    """(bytes ``rank`` sends (None: the busiest), sequential latency terms, critical-path bytes) of
+    comm.compressed_allreduce of n elements: the all-to-all of compressed chunks, then the allgather of
+    the reduced chunks padded to chunk 0's wire. A Python compressor's buffers are padded to 8 bytes."""
+    if P <= 1 or n <= 0:
+        return 0, 0, 0
+    wire, native, _ = _compressor(compression)
+    size = (lambda c: int(wire(c))) if native else (lambda c: _aligned(wire(c)))  # noqa: E731
+    sizes = [size(n // P + (1 if i < n % P else 0)) for i in range(P)]
+    total = sum(sizes)
+    per_rank = [total - sizes[i] + (P - 1) * sizes[0] for i in range(P)]
+    busiest = max(per_rank)
+    return (busiest if rank is None else per_rank[rank]), 2 * (P - 1), busiest
+
+
+def _compressed_allreduce_s(compression, P, n, machine, residual):
+    """Local work of one compressed allreduce of n elements: compress n (1 + 1/P), decompress 2n; with a
+    residual (error feedback) also add it, decompress what was sent and subtract: + n/2 round trips and
+    2 passes."""
+    if P <= 1:
+        return 0.0
+    codec = _codec_s(compression, machine)
+    t = n * codec * (3 + 1 / P) / 2
+    if residual:
+        t += n * (codec / 2 + 2 * machine.add_s_per_elem)
+    return t
+
+
+def _average_comm(compression, P, n, e, rank):
+    """One weight average (bagua_lite.averaging): a ring allreduce of the weights, or the compressed
+    allreduce of their change since the last average."""
+    if compression == "none":
+        b = _ring(n * e, P)
+        return b, 2 * (P - 1), b
+    return _compressed_allreduce(compression, P, n, rank)
+
+
+def _average_local_s(compression, P, n, machine, apply_passes):
+    """Local work of one weight average: snapshot, copy into the work buffer, apply (local_sgd: 1 pass,
+    async: 2). Compressed: snapshot, x - anchor, + anchor, anchor copy, apply, and the compressed allreduce
+    with its residual."""
+    if P <= 1:
+        return 0.0
+    add = machine.add_s_per_elem
+    if compression == "none":
+        return (2 + apply_passes) * n * add
+    return (4 + apply_passes) * n * add + _compressed_allreduce_s(compression, P, n, machine, True)
+
+
+def _decentralized_comm(o, P, n, e):
+    """(bytes a busy rank sends, sequential latency terms, critical-path bytes) of one weight exchange."""
+    if P <= 1 or n <= 0:
+        return 0, 0, 0
+    c, mode = o["compression"], o["peer_selection"]
+    unit = n * e if c == "none" else _aligned(_wire(c, n))  # decentralized pads its wire buffers to 8
+    if mode == "all":
+        if c == "none":  # ring allreduce of the weights
+            b = _ring(unit, P)
+            return b, 2 * (P - 1), b
+        b = (P - 1) * unit  # ring allgather of every rank's compressed difference
+        return b, P - 1, b
+    peers = 2 if mode == "ring" and P >= 3 else 1  # the sends share the rank's link
+    return peers * unit, 1, peers * unit
+
+
+def _decentralized_local_s(o, P, n, machine):
+    """Local work of one exchange (on the training thread, never hidden)."""
+    if P <= 1:
+        return 0.0
+    add, mode = machine.add_s_per_elem, o["peer_selection"]
+    receivers = (P - 1) if mode == "all" else (2 if mode == "ring" and P >= 3 else 1)
+    if o["compression"] == "none":
+        # gather x_t; all: copy into the allreduce buffer, else sum the peers' (receivers - 1 adds);
+        # subtract k x_t; apply to the parameters
+        passes = 4 if mode == "all" else receivers + 2
+        return passes * n * add
+    # x_t - x_hat; compress; decompress every received q and our own; nbr_sum - d x_hat; apply
+    return n * (3 * add + _codec_s(o["compression"], machine) * (receivers + 2) / 2)
+
+
+def _powersgd_plan(o, n, index):
+    """(r, [(rows, cols) of each compressed matrix], dense elements) of bucket ``index`` of n elements.
+
+    With the cost-model-only option ``bucket_shapes`` (per bucket, its parameters' shapes) exactly as
+    algorithms/powersgd.py splits it; otherwise one matrix of _side(n) rows (as ddp_powersgd's sizing)
+    and n // rows columns, the few leftover elements dense."""
+    r, rate = int(o["rank"]), float(o["min_compression_rate"])
+    if o.get("bucket_shapes") is not None:
+        shapes = o["bucket_shapes"]
+        if index is None or index >= len(shapes):
+            raise ValueError("cost_model: powersgd: bucket_shapes must list every bucket's parameter shapes")
+        mats, dense = [], 0
+        for s in shapes[index]:
+            s = [int(d) for d in s]
+            numel = math.prod(s)
+            if len(s) >= 2 and s[0] > 0 and numel >= rate * (s[0] + numel // s[0]) * r:
+                mats.append((s[0], numel // s[0]))
+            else:
+                dense += numel
+        if sum(a * b for a, b in mats) + dense != n:
+            raise ValueError(f"cost_model: powersgd: bucket_shapes[{index}] holds "
+                             f"{sum(a * b for a, b in mats) + dense} elements, the bucket {n}")
+        return r, mats, dense
+    rows = _side(n)
+    cols = n // rows
+    if rows * cols >= rate * (rows + cols) * r:
+        return r, [(rows, cols)], n - rows * cols
+    return r, [], n
+
+
+def _bucket_comm(name, options, P, n, e, rank, index=None):
     """(bytes sent by ``rank``, sequential latency terms, transfer bytes on the critical path) of one
-    bucket's collective(s) in one step. For per-step weight exchanges n is all parameters."""
+    bucket's collective(s) in one step (``index``: the bucket's position, for powersgd's shapes)."""
     if P <= 1 or n <= 0:
         return 0, 0, 0
     m = n * e
@@ -336,13 +588,16 @@ def _bucket_comm(name, options, P, n, e, rank):
         r, p_elems, q_elems, unc = _powersgd_sizes(options, n)
         parts = [_ring(4 * p_elems, P), _ring(4 * q_elems, P)] + ([_ring(unc * e, P)] if unc else [])
         return sum(parts), 2 * (P - 1) * len(parts), sum(parts)
+    if name == "powersgd":
+        r, mats, dense = _powersgd_plan(_options(name, options), n, index)
+        p_elems, q_elems = sum(a * r for a, _ in mats), sum(b * r for _, b in mats)
+        parts = (([_ring(p_elems * e, P)] if mats else [])
+                 + ([_ring((q_elems + dense) * e, P)] if q_elems + dense else []))
+        return sum(parts), 2 * (P - 1) * len(parts), sum(parts)
     if name == "gradient_allreduce":
-        c = options["compression"]
-        chunk = [n // P + (1 if i < n % P else 0) for i in range(P)]
-        total = sum(_wire(c, ci) for ci in chunk)
-        per_rank = lambda i: total - _wire(c, chunk[i]) + (P - 1) * _wire(c, chunk[0])  # noqa: E731
-        b = per_rank(rank if rank is not None else P - 1)
-        return b, 2 * (P - 1), per_rank(P - 1)
+        return _compressed_allreduce(options["compression"], P, n, rank)
+    if name == "qadam":
+        return _compressed_allreduce(_options(name, options)["compression"], P, n, rank)
     if name == "topk":
         k = _k(options.get("density", 0.001), n)
         b = (P - 1) * 24 + (P - 1) * k * (e + 4)
@@ -362,17 +617,6 @@ def _bucket_comm(name, options, P, n, e, rank):
             lat += 2 * (P - 1)
             crit += _ring(k * e, P)
         return b, lat, crit
-    if name == "decentralized":
-        mode = options.get("peer_selection", "ring")
-        if mode == "all":
-            b = _ring(m, P)
-            return b, 2 * (P - 1), b
-        if mode == "ring" and P >= 3:
-            return 2 * m, 1, 2 * m
-        return m, 1, m  # ring with P = 2, or shift_one (a busy rank)
-    if name == "local_sgd":
-        b = _ring(m, P)
-        return b, 2 * (P - 1), b
     raise ValueError(f"cost_model: cannot predict {name!r}; predictable: {', '.join(PREDICTABLE)}")
 
 
@@ -381,28 +625,38 @@ def _check_name(algorithm):
         raise ValueError(f"cost_model: cannot predict {algorithm!r}; predictable: {', '.join(PREDICTABLE)}")
 
 
+_DECENTRALIZED = ("decentralized", "low_precision_decentralized")
+
+
 def bytes_per_rank(algorithm: str, options: dict, P: int, bucket_numels: Sequence[int], elem_bytes: int = 4,
                    rank: Optional[int] = None) -> float:
     """Bytes ``rank`` (None: the busiest rank) sends per step, as ``bagua_lite.comm.bytes_sent()`` counts
     them for our algorithms (torch's own traffic for the ddp baselines). Periodic exchanges (local_sgd
-    after warm-up, decentralized with an interval) are amortised per step, so may be fractional."""
+    after warm-up, decentralized with an interval) are amortised per step, so may be fractional.
+    ``async_model_average``'s bytes per step depend on the step time: take them from :func:`predict`."""
     _check_name(algorithm)
     options = dict(options or {})
     n_total = sum(int(b) for b in bucket_numels)
-    if algorithm in ("decentralized", "local_sgd"):
-        b = _bucket_comm(algorithm, options, P, n_total, elem_bytes, rank)[0]
-        every = options.get("communication_interval", 1) if algorithm == "decentralized" else options.get("period", 4)
-        return b / every
-    if algorithm == "ddp_powersgd":
-        return float(_bucket_comm(algorithm, options, P, n_total, elem_bytes, rank)[0])
     if algorithm == "auto":
         raise ValueError("cost_model.bytes_per_rank: resolve 'auto' with choose() first")
-    return float(sum(_bucket_comm(algorithm, options, P, int(n), elem_bytes, rank)[0] for n in bucket_numels))
+    if algorithm == "async_model_average":
+        raise ValueError("cost_model.bytes_per_rank: async_model_average's bytes per step depend on the step "
+                         "time; take predict(...)['bytes_per_rank'] (or its 'bytes_per_round')")
+    if algorithm in _DECENTRALIZED:
+        o = _options(algorithm, options)
+        return _decentralized_comm(o, P, n_total, elem_bytes)[0] / o["communication_interval"]
+    if algorithm == "local_sgd":
+        o = _options(algorithm, options)
+        return _average_comm(o["compression"], P, n_total, elem_bytes, rank)[0] / o["period"]
+    if algorithm == "ddp_powersgd":
+        return float(_bucket_comm(algorithm, options, P, n_total, elem_bytes, rank)[0])
+    return float(sum(_bucket_comm(algorithm, options, P, int(n), elem_bytes, rank, i)[0]
+                     for i, n in enumerate(bucket_numels)))
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
-def _local_s(name, options, P, n, machine):
-    """Local work on one bucket (compression, selection, averaging), seconds."""
+def _local_s(name, options, P, n, machine, index=None):
+    """Local work on one bucket run by the engine (compression, selection, averaging), seconds."""
     add, topk = machine.add_s_per_elem, machine.topk_s_per_elem
     merge = machine.merge_s_per_elem or 4 * topk
     if name == "ddp":
@@ -414,14 +668,23 @@ def _local_s(name, options, P, n, machine):
         flops = 3 * 2.0 * n * r
         mm = max(flops * machine.matmul_s_per_flop, 3 * n * add)
         return mm + 4 * n * add
+    if name == "powersgd":
+        r, mats, dense = _powersgd_plan(_options(name, options), n, index)
+        flop, t = machine.matmul_s_per_flop, 0.0
+        for rows, cols in mats:
+            N = rows * cols
+            t += N * add                                  # M <- G + e
+            t += 4 * max(2.0 * N * r * flop, N * add)     # M Q, M^T P, M - P Q^T, G <- P Q^T
+            t += 2.0 * rows * r * r * flop                # QR of P
+        q_elems = sum(cols * r for _, cols in mats)
+        return t + (3 * dense + q_elems) * add           # dense in and out of the wire; the mean's divide
     if name == "gradient_allreduce":
         c = options.get("compression", "none")
         if c == "none":
             return n * add if P > 1 else 0.0
-        if P == 1:
-            return 0.0
-        codec = machine.fp16_s_per_elem if c == "fp16" else machine.quantize_s_per_elem
-        return n * codec * (3 + 1 / P) / 2
+        return _compressed_allreduce_s(c, P, n, machine, residual=_compressor(c)[2])
+    if name == "qadam":
+        return _compressed_allreduce_s(_options(name, options)["compression"], P, n, machine, residual=True)
     if name in ("topk", "gtopk"):
         k = _k(options.get("density", 0.001), n)
         mc = n * add if options.get("momentum_correction", 0.0) else 0.0
@@ -457,7 +720,9 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
 
     Returns ``step_s``, ``compute_s``, ``compression_s`` (local work: compression, selection,
     averaging), ``comm_s`` (network), ``hidden_s`` (the part of compression + comm overlapped with
-    backward) and ``bytes_per_rank`` (busiest rank, per step). The formulas are in the module docstring.
+    compute) and ``bytes_per_rank`` (busiest rank, per step); algorithms with a warm-up add
+    ``warmup_step_s``, async_model_average ``rounds_per_step`` and ``bytes_per_round``. The formulas are
+    in the module docstring.
     """
     _check_name(algorithm)
     options = dict(options or {})
@@ -468,6 +733,7 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
     numels = work.buckets()
     n_total = sum(numels)
     backward_s = work.backward_fraction * work.compute_s
+    shared = 0 < machine.cores_per_rank < 2  # ranks share cores: CPU work cannot hide behind compute
 
     if algorithm == "auto":
         cands = normalize_candidates(options.get("candidates", DEFAULT_AUTO_CANDIDATES))
@@ -478,39 +744,65 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         out["picked"] = label(name, opts)
         return out
 
+    def warmup():  # dense gradient averaging, as gradient_allreduce
+        return {"warmup_step_s": predict("gradient_allreduce", {}, P, work, net, machine)["step_s"]}
+
     if algorithm == "ddp_powersgd":  # one bucket, ready at the end of backward: no overlap
         _, lat, crit = _bucket_comm(algorithm, options, P, n_total, e, None)
         comm = lat * net.alpha + crit * net.beta
         local = _local_s(algorithm, options, P, n_total, machine) if P > 1 else 0.0
         return _result(work, local, comm, local + comm, float(_bucket_comm(algorithm, options, P, n_total, e, None)[0]))
 
-    if algorithm in ("decentralized", "local_sgd"):
-        every = int(options.get("communication_interval", 1) if algorithm == "decentralized" else options.get("period", 4))
-        _, lat, crit = _bucket_comm(algorithm, options, P, n_total, e, None)
+    if algorithm in _DECENTRALIZED:  # started when forward starts, waited for after the optimizer step
+        o = _options(algorithm, options)
+        every = o["communication_interval"]
+        _, lat, crit = _decentralized_comm(o, P, n_total, e)
+        transfer = lat * net.alpha + crit * net.beta
+        local = _decentralized_local_s(o, P, n_total, machine)
+        # the transfer runs in gloo's threads during forward + backward + step; on one host with shared
+        # cores it is copies on the cores that compute, so it hides nothing (as for the buckets)
+        exposed = transfer if shared and net.host_local else max(0.0, transfer - work.compute_s)
+        return _result(work, local / every, transfer / every, (local + exposed) / every,
+                       bytes_per_rank(algorithm, o, P, numels, e))
+
+    if algorithm == "local_sgd":  # after the step, every `period` steps, nothing overlapped
+        o = _options(algorithm, options)
+        every, c = o["period"], o["compression"]
+        _, lat, crit = _average_comm(c, P, n_total, e, None)
         comm = (lat * net.alpha + crit * net.beta) / every
-        if algorithm == "decentralized":
-            passes = {"ring": 5, "shift_one": 4, "all": 3}[options.get("peer_selection", "ring")]
-        else:
-            passes = 3
-        local = (passes * n_total * machine.add_s_per_elem / every) if P > 1 else 0.0
-        extra = {}
-        if algorithm == "local_sgd":
-            extra["warmup_step_s"] = predict("gradient_allreduce", {}, P, work, net, machine)["step_s"]
-        return _result(work, local, comm, local + comm, bytes_per_rank(algorithm, options, P, numels, e), **extra)
+        local = _average_local_s(c, P, n_total, machine, apply_passes=1) / every
+        return _result(work, local, comm, local + comm, bytes_per_rank(algorithm, o, P, numels, e), **warmup())
+
+    if algorithm == "async_model_average":  # a background thread, every sync_interval_ms; never waited for
+        o = _options(algorithm, options)
+        c = o["compression"]
+        b_round, lat, crit = _average_comm(c, P, n_total, e, None)
+        transfer = lat * net.alpha + crit * net.beta + (2 * (P - 1) * net.alpha)  # + the go-on flag's allreduce
+        local = _average_local_s(c, P, n_total, machine, apply_passes=2)
+        period = o["sync_interval_ms"] / 1000.0 + transfer + local  # one round: sleep, then average
+        stolen = (local + (transfer if net.host_local else 0.0)) if shared else 0.0  # CPU per round
+        step = work.compute_s / (1.0 - stolen / period)  # step = compute + stolen * step / period
+        rounds = step / period
+        return _result(work, local * rounds, transfer * rounds, stolen * rounds, b_round * rounds,
+                       rounds_per_step=rounds, bytes_per_round=float(b_round), **warmup())
 
     # Bucketed gradient algorithms: ours (engine) and DDP's reducer, overlapped with backward.
     locals_, comms = [], []
-    for n in numels:
-        _, lat, crit = _bucket_comm(algorithm, options, P, n, e, None)
+    for i, n in enumerate(numels):
+        _, lat, crit = _bucket_comm(algorithm, options, P, n, e, None, i)
         comms.append(lat * net.alpha + crit * net.beta)
-        locals_.append(_local_s(algorithm, options, P, n, machine))
-    if 0 < machine.cores_per_rank < 2 and net.host_local:  # moving bytes is CPU work too: nothing hides
+        locals_.append(_local_s(algorithm, options, P, n, machine, i))
+    # qadam: momentum in the gradient hook and the update before the step run on the training thread
+    serial = _QADAM_EXTRA_PASSES * n_total * machine.add_s_per_elem if algorithm == "qadam" else 0.0
+    if shared and net.host_local:  # moving bytes is CPU work too: nothing hides
         exposed = sum(locals_) + sum(comms)
-    elif 0 < machine.cores_per_rank < 2:  # no spare core: local work adds to the step, waiting still hides
+    elif shared:  # no spare core: local work adds to the step, waiting still hides
         exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
     else:
         exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
-    return _result(work, sum(locals_), sum(comms), exposed, bytes_per_rank(algorithm, options, P, numels, e))
+    extra = warmup() if algorithm in ("powersgd", "qadam") else {}
+    return _result(work, sum(locals_) + serial, sum(comms), exposed + serial,
+                   bytes_per_rank(algorithm, options, P, numels, e), **extra)
 
 
 # ---- choosing and projecting -------------------------------------------------------------------------------
