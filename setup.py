@@ -29,7 +29,7 @@ cu_sources = sources("csrc/**/*.cu")
 with_cuda = torch.cuda.is_available() or os.environ.get("BAGUA_LITE_FORCE_CUDA") == "1"
 with_cuda = with_cuda and torch.version.cuda is not None and CUDA_HOME is not None and bool(cu_sources)
 
-cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+cxx_flags = ["-O3", "-fno-trapping-math", "-fopenmp", "-std=c++17"]
 define_macros = []
 if with_cuda:
     define_macros.append(("BAGUA_LITE_WITH_CUDA", "1"))

@@ -32,16 +32,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from bagua_lite._groups import group_timeout
 from bagua_lite.algorithm import Algorithm, fill_slot, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
-
-
-def _group_timeout(group):
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001  (a backend without options: torch's default)
-        return dist.default_pg_timeout
 
 
 @register("async_model_average")
@@ -67,8 +61,8 @@ class AsyncModelAverage(Algorithm):
     def init(self, model):
         ranks = dist.get_process_group_ranks(model.process_group)
         # collective: every rank creates it; the background thread's traffic never meets the model's group
-        self.group = dist.new_group(ranks, backend="gloo", timeout=_group_timeout(dist.group.WORLD))
-        self._timeout_s = _group_timeout(self.group).total_seconds()
+        self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(model.process_group))
+        self._timeout_s = group_timeout(self.group).total_seconds()
         # .data: average the storage without bumping autograd's version counters (see the docstring)
         self.averager = WeightAverager([p.data for p in model._params], self.compression, "async_model_average")
         opt = model.optimizer

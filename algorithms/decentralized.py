@@ -21,15 +21,25 @@ the sum of the copies it receives (neighbours must be fixed: ``ring``, ``ring_on
                       x_{t+1} <- x' + gamma * (mean over i and neighbours of x_hat  -  x_hat_i)
 
 What compression loses stays in x_t - x_hat_i and is sent again next time: nothing is forgotten.
+The compressed exchange runs on a background thread while forward and backward run: it compresses chunk
+by chunk (each chunk goes on the wire as soon as it is packed), folds the received copies in as they
+arrive, and leaves the training thread one pass, x' + delta, after the step. The optimizer step waits for
+the packing only (it reads x_t), never for the transfer.
 """
+import queue
+import threading
+
 import torch
 import torch.distributed as dist
 
 from bagua_lite import _C, compressors
+from bagua_lite._groups import new_group_like
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.bucket import FlatWeights
 
 PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
+# elements per compressed message: the wire starts once the (smaller) first chunk is packed
+FIRST_CHUNK, CHUNK = 1 << 20, 1 << 22
 
 
 @register("decentralized")
@@ -63,8 +73,8 @@ class Decentralized(Algorithm):
         # Our traffic only, and one group per direction: a TCP connection that carries bulk data both ways
         # queues each side's acknowledgements behind its data and halves the rate (measured: a 100 MB
         # swap over an emulated 1 Gbit/s link takes 1.67 s on one connection, 0.84 s on two).
-        ranks = dist.get_process_group_ranks(model.process_group)
-        self.group, self.down = dist.new_group(ranks), dist.new_group(ranks)  # group: lower -> higher rank
+        self.group = new_group_like(model.process_group)  # lower -> higher rank (and all's collectives)
+        self.down = new_group_like(model.process_group)   # higher -> lower rank
         P, me = model.world_size, model.rank
         # fixed neighbours as (send to, receive from); one neighbour at P = 2, none at P = 1
         both = sorted({(me - 1) % P, (me + 1) % P} - {me})
@@ -78,9 +88,25 @@ class Decentralized(Algorithm):
         self.x_hat = [f.clone() for f in self.snap]
         degree = len(self.fixed[1]) if self.peer_selection != "all" else P - 1
         self.nbr_sum = [f * degree for f in self.snap]  # every copy starts at the common x_0
-        self.wire = [torch.empty(_aligned(self.compressor.wire_bytes(f.numel())), dtype=torch.uint8) for f in self.snap]
+        # chunks: (group, start, end, its wire buffer, the pieces of parameters it covers)
+        self.chunks = []
+        for g, (params, flat) in enumerate(self.weights.groups):
+            pieces, o = [], 0
+            for p in params:
+                pieces.append((p, o, o + p.numel()))
+                o += p.numel()
+            bounds = [0] + list(range(FIRST_CHUNK, flat.numel(), CHUNK)) + [flat.numel()]
+            for a, b in zip(bounds, bounds[1:]):
+                if a >= b:
+                    continue
+                wire = torch.empty(_aligned(self.compressor.wire_bytes(b - a)), dtype=torch.uint8)
+                self.chunks.append((g, a, b, wire, [(p, lo, hi) for p, lo, hi in pieces if lo < b and hi > a]))
         senders = degree if self.peer_selection != "all" else P
-        self.recv = [[torch.empty_like(w) for w in self.wire] for _ in range(senders)]
+        self.recv = [[torch.empty_like(c[3]) for c in self.chunks] for _ in range(senders)]
+        self._jobs, self._packed, self._done, self._error = queue.Queue(), threading.Event(), threading.Event(), None
+        self._thread = threading.Thread(target=self._serve, name="bagua_lite-decentralized", daemon=True)
+        self._thread.start()
+        self._hook = model.optimizer.register_step_pre_hook(lambda *_: self._wait(self._packed))
 
     def sync_gradients(self):
         return False
@@ -97,36 +123,76 @@ class Decentralized(Algorithm):
         if self._works is not None or not torch.is_grad_enabled() or self.world_size == 1 \
                 or (self.step + 1) % self.communication_interval:
             return
-        send = self.snap
-        if self.compressor is None:
-            self.weights.gather()  # x_t, into self.snap
-        else:
-            for (group, _), snap, x_hat, wire in zip(self.weights.groups, self.snap, self.x_hat, self.wire):
-                o = 0
-                for p in group:  # x_t - x_hat in one pass, straight from the parameters
-                    torch.sub(p.detach().reshape(-1), x_hat[o:o + p.numel()], out=snap[o:o + p.numel()])
-                    o += p.numel()
-                self.compressor.compress(snap, wire.narrow(0, 0, self.compressor.wire_bytes(snap.numel())))
-            send = self.wire
+        if self.compressor is not None:
+            self._packed.clear()
+            self._done.clear()
+            self._works = []  # in flight (on the thread)
+            self._jobs.put(True)
+            return
+        send = self.weights.gather()  # x_t, into self.snap
         if self.peer_selection == "all":
             P = self.world_size
-            if self.compressor is None:
-                self._works = [dist.all_reduce(t, group=self.group, async_op=True) for t in self._sum_buffers()]
-                _C.count_sent(sum(2 * (P - 1) * t.nbytes // P for t in send), len(send))  # ring allreduce
-            else:
-                self._works = [dist.all_gather([r[i] for r in self.recv], w, group=self.group, async_op=True)
-                               for i, w in enumerate(self.wire)]
-                _C.count_sent(sum((P - 1) * t.nbytes for t in send), len(send))  # ring allgather
+            self._works = [dist.all_reduce(t, group=self.group, async_op=True) for t in self._sum_buffers()]
+            _C.count_sent(sum(2 * (P - 1) * t.nbytes // P for t in send), len(send))  # ring allreduce
             return
-        self._works = []
-        me = self.model.rank
-        to, frm = self._peers()
-        for i, t in enumerate(send):
-            for peer in to:
-                self._works.append((self.group if me < peer else self.down).send([t], peer, i))
-                _C.count_sent(t.nbytes, 1)
-            for j, peer in enumerate(frm):
-                self._works.append((self.group if peer < me else self.down).recv([self.recv[j][i]], peer, i))
+        self._works = [w for i, t in enumerate(send) for w in self._post(t, [r[i] for r in self.recv], i)]
+
+    def _post(self, t, recv, tag):
+        """Send t to this exchange's peers and receive theirs into recv (one direction per group)."""
+        me, (to, frm), works = self.model.rank, self._peers(), []
+        for peer in to:
+            works.append((self.group if me < peer else self.down).send([t], peer, tag))
+            _C.count_sent(t.nbytes, 1)
+        for buf, peer in zip(recv, frm):
+            works.append((self.group if peer < me else self.down).recv([buf], peer, tag))
+        return works
+
+    # ---- the compressed exchange, on the background thread ---------------------------------------------
+    def _serve(self):
+        while self._jobs.get():
+            try:
+                self._compressed_exchange()
+            except BaseException as e:  # noqa: B902 (raised on the training thread by _wait)
+                self._error = e
+            finally:
+                self._packed.set()
+                self._done.set()
+
+    def _compressed_exchange(self):
+        C, P, posted = self.compressor, self.world_size, []
+        with torch.no_grad():
+            for i, (g, a, b, wire, pieces) in enumerate(self.chunks):  # q = C(x_t - x_hat), chunk by chunk
+                diff, x_hat = self.snap[g][a:b], self.x_hat[g]
+                for p, lo, hi in pieces:
+                    s, e = max(lo, a), min(hi, b)
+                    torch.sub(p.detach().reshape(-1)[s - lo:e - lo], x_hat[s:e], out=diff[s - a:e - a])
+                C.compress(diff, wire.narrow(0, 0, C.wire_bytes(b - a)))
+                if self.peer_selection == "all":
+                    posted.append([dist.all_gather([r[i] for r in self.recv], wire, group=self.group, async_op=True)])
+                    _C.count_sent((P - 1) * wire.nbytes, P - 1)  # ring allgather
+                else:
+                    posted.append(self._post(wire, [r[i] for r in self.recv], i))
+            self._packed.set()  # x_t is read: the optimizer may step
+            own = self.model.rank if self.peer_selection == "all" else None
+            degree = len(self.recv) - (own is not None)
+            self._scale = self.consensus_step / (degree + 1)
+            for i, ((g, a, b, wire, _), works) in enumerate(zip(self.chunks, posted)):  # as chunks arrive
+                for w in works:
+                    w.wait()
+                size, nbr_sum, x_hat = C.wire_bytes(b - a), self.nbr_sum[g][a:b], self.x_hat[g][a:b]
+                for j, recv in enumerate(self.recv):  # x_hat_j += D(q_j), summed over the neighbours
+                    if j != own:
+                        C.decompress(recv[i].narrow(0, 0, size), nbr_sum, accumulate=True)
+                C.decompress(wire.narrow(0, 0, size), x_hat, accumulate=True)
+                torch.add(nbr_sum, x_hat, alpha=-degree, out=self.snap[g][a:b])  # (d + 1) (mean - x_hat)
+
+    def _wait(self, event):
+        if self._works is not None:
+            event.wait()
+            if self._error is not None:
+                error, self._error, self._works = self._error, None, None
+                raise RuntimeError(f"{self.name}: the weight exchange failed on rank {self.model.rank}: {error}") \
+                    from error
 
     def _sum_buffers(self):
         for snap, buf in zip(self.snap, self.recv[0]):
@@ -136,13 +202,18 @@ class Decentralized(Algorithm):
     def after_step(self):
         if self._works is None:
             return
+        if self.compressor is not None:
+            self._wait(self._done)
         works, self._works = self._works, None
         for w in works:
             w.wait()
         peers = self._peers()[1]
         self.exchanges += 1
         with torch.no_grad():
-            deltas = self._compressed_deltas() if self.compressor is not None else self._exact_deltas(peers)
+            if self.compressor is not None:
+                deltas = [(delta, self._scale) for delta in self.snap]
+            else:
+                deltas = self._exact_deltas(peers)
             for (group, _), (delta, scale) in zip(self.weights.groups, deltas):
                 if delta is None:
                     continue
@@ -168,28 +239,18 @@ class Decentralized(Algorithm):
             deltas.append((buf.add_(snap, alpha=-len(peers)), 1.0 / (len(peers) + 1)))
         return deltas
 
-    def _compressed_deltas(self):
-        """(buffer, scale) per flat group: gamma * (mean of the known copies - own copy), after folding in
-        this round's q; for d neighbours that is gamma / (d + 1) * (sum of neighbours' copies - d x_hat)."""
-        deltas = []
-        for i, (x_hat, nbr_sum, delta) in enumerate(zip(self.x_hat, self.nbr_sum, self.snap)):
-            n = x_hat.numel()
-            size = self.compressor.wire_bytes(n)
-            own = self.model.rank if self.peer_selection == "all" else None
-            for j, recv in enumerate(self.recv):
-                if j != own:
-                    self.compressor.decompress(recv[i].narrow(0, 0, size), nbr_sum, accumulate=True)
-            self.compressor.decompress(self.wire[i].narrow(0, 0, size), x_hat, accumulate=True)
-            degree = len(self.recv) - (own is not None)
-            torch.add(nbr_sum, x_hat, alpha=-degree, out=delta)
-            deltas.append((delta, self.consensus_step / (degree + 1)))
-        return deltas
-
     def close(self):
         if self._works is not None:  # an exchange in flight: finish it so peers are not left waiting
+            if self.compressor is not None:
+                self._done.wait()
             for w in self._works:
                 w.wait()
             self._works = None
+        if getattr(self, "_thread", None) is not None:
+            self._jobs.put(False)
+            self._thread.join()
+            self._thread = None
+            self._hook.remove()
 
     def state_dict(self):
         state = {"step": self.step, "exchanges": self.exchanges}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch
 
 from bagua_lite import comm, compressors
+from bagua_lite._groups import new_group_like
 from bagua_lite.algorithm import Algorithm, fill_slot, register
 
 
@@ -41,11 +42,11 @@ class GradientAllReduce(Algorithm):
         # Every rank creates every group, in the same order (new_group is collective).
         self.intra = None
         for node in nodes:
-            g = dist.new_group(node)
+            g = new_group_like(model.process_group, node)
             if dist.get_rank() in node:
                 self.intra, self.leader = g, node[0]
         leaders = [node[0] for node in nodes]
-        g = dist.new_group(leaders)
+        g = new_group_like(model.process_group, leaders)
         self.inter = g if dist.get_rank() in leaders else None
 
     def on_gradient(self, bucket, position, grad):

@@ -27,3 +27,21 @@ def check_device(t, group, fn, name="t"):
     if backend == "nccl" and not t.is_cuda:
         raise ValueError(f"bagua_lite.comm.{fn}: `{name}` is on {t.device} but the group's backend is nccl, "
                          "which needs CUDA tensors")
+
+
+def group_timeout(group):
+    """The timeout ``group``'s collectives run with (torch's default when the backend does not say)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # noqa: BLE001  (a backend without options: torch's default)
+        return dist.default_pg_timeout
+
+
+def new_group_like(group, ranks=None):
+    """A new process group over ``ranks`` (default: ``group``'s) with ``group``'s timeout.
+
+    ``dist.new_group`` would otherwise take torch's default of 30 minutes, not the timeout the user gave
+    ``init_process_group``: a dead peer would then hang an algorithm's own traffic for half an hour.
+    Collective: every rank of the default group calls it, in the same order."""
+    ranks = dist.get_process_group_ranks(group) if ranks is None else ranks
+    return dist.new_group(ranks, timeout=group_timeout(group))

@@ -85,13 +85,17 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        ring_one_way and shift_one always, one peer: alpha + u beta, u bytes (odd P
                        under shift_one: one rank sits each exchange out; the model reports the busy
                        ones). all: exact T_ring(m), ring(m); compressed: a ring allgather,
-                       (P-1) alpha + (P-1) u beta, (P-1) u bytes. Local (training thread, never
-                       hidden), exact: gather, sum of the k peers' (k-1), subtract, apply: k + 2
-                       passes (all: 4); compressed, with d = peers received from (ring 2, or 1 at
-                       P = 2; ring_one_way 1; all P-1): 3 add passes + (d + 2)/2 codec round trips
-                       (compress + d + 1 decompressions). The transfer overlaps with the whole step:
-                       exposed = max(0, T - compute_s); with Machine.cores_per_rank < 2 on a
-                       host_local network T is copies on the computing cores: exposed = T.
+                       (P-1) alpha + (P-1) u beta, (P-1) u bytes. Local, exact (training thread,
+                       never hidden): gather, sum of the k peers' (k-1), subtract, apply: k + 2
+                       passes (all: 4). Compressed, with d = peers received from (ring 2, or 1 at
+                       P = 2; ring_one_way 1; all P-1): the exchange's thread does 2 add passes +
+                       (d + 2)/2 codec round trips (compress + d + 1 decompressions), the training
+                       thread 1 (the apply), and the wire starts after the first chunk (2^20
+                       elements: 1 add + half a codec round trip each) is packed. The transfer
+                       overlaps with the whole step: exposed = max(0, first + T - busy), busy =
+                       compute_s (+ the thread's work when Machine.cores_per_rank < 2: it is taken
+                       from the compute); with cores_per_rank < 2 on a host_local network T is copies
+                       on the computing cores: exposed = T.
 ``low_precision_decentralized``
                        decentralized with compression minmax_uint8 (and peer_selection ring) by
                        default; compression none is an error, as in the algorithm.
@@ -527,19 +531,25 @@ def _decentralized_comm(o, P, n, e):
     return peers * unit, 1, peers * unit
 
 
+_FIRST_CHUNK = 1 << 20  # algorithms/decentralized.py's FIRST_CHUNK: packed before the wire starts
+
+
 def _decentralized_local_s(o, P, n, machine):
-    """Local work of one exchange (on the training thread, never hidden)."""
+    """(local work on the training thread, on the exchange's background thread, before the wire starts) of
+    one exchange. Exact: all on the training thread. Compressed: the thread packs and unpacks."""
     if P <= 1:
-        return 0.0
+        return 0.0, 0.0, 0.0
     add, mode = machine.add_s_per_elem, o["peer_selection"]
     receivers = (P - 1) if mode == "all" else (2 if mode == "ring" and P >= 3 else 1)
     if o["compression"] == "none":
         # gather x_t; all: copy into the allreduce buffer, else sum the peers' (receivers - 1 adds);
         # subtract k x_t; apply to the parameters
         passes = 4 if mode == "all" else receivers + 2
-        return passes * n * add
-    # x_t - x_hat; compress; decompress every received q and our own; nbr_sum - d x_hat; apply
-    return n * (3 * add + _codec_s(o["compression"], machine) * (receivers + 2) / 2)
+        return passes * n * add, 0.0, 0.0
+    codec = _codec_s(o["compression"], machine)
+    # thread: x_t - x_hat; compress; decompress every received q and our own; nbr_sum - d x_hat.
+    # training thread: apply. Before the wire: the first chunk's x_t - x_hat and compression.
+    return n * add, n * (2 * add + codec * (receivers + 2) / 2), min(n, _FIRST_CHUNK) * (add + codec / 2)
 
 
 def _powersgd_plan(o, n, index):
@@ -758,11 +768,14 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         every = o["communication_interval"]
         _, lat, crit = _decentralized_comm(o, P, n_total, e)
         transfer = lat * net.alpha + crit * net.beta
-        local = _decentralized_local_s(o, P, n_total, machine)
-        # the transfer runs in gloo's threads during forward + backward + step; on one host with shared
-        # cores it is copies on the cores that compute, so it hides nothing (as for the buckets)
-        exposed = transfer if shared and net.host_local else max(0.0, transfer - work.compute_s)
-        return _result(work, local / every, transfer / every, (local + exposed) / every,
+        main, thread, first = _decentralized_local_s(o, P, n_total, machine)
+        # the transfer (and a compressed exchange's thread) runs during forward + backward + step; on one
+        # host with shared cores the thread's work is taken from the compute, and the transfer is copies on
+        # the cores that compute, so it hides nothing (as for the buckets)
+        busy = work.compute_s + (thread if shared else 0.0)
+        exposed = transfer if shared and net.host_local else max(0.0, first + transfer - busy)
+        return _result(work, (main + thread) / every, transfer / every,
+                       (main + (thread if shared else 0.0) + exposed) / every,
                        bytes_per_rank(algorithm, o, P, numels, e))
 
     if algorithm == "local_sgd":  # after the step, every `period` steps, nothing overlapped

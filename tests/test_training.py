@@ -22,6 +22,7 @@ import glob
 import hashlib
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ import bagua_lite.algorithms
 from bagua_lite import comm
 from bagua_lite.algorithm import build
 
+from cluster import Cluster, RemoteError
 from test_compressors import AbsMax4  # noqa: F401  (registers the user compressor "absmax4_test")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -464,6 +466,52 @@ def test_decentralized(clusters, P):
             assert float((means[i] - means[1]).abs().max()) < 1e-5, f"{prefix}: averaging does not keep the mean"
 
 
+def _r_compressed_gossip(rank, P):
+    """The compressed exchange (CHOCO) against a plain-torch replay of every rank's copies, with messages cut
+    into chunks of 700 elements (the first of 150): chunk edges fall inside parameters and between them.
+    fp16 is elementwise, so the chunking must not change a single value."""
+    import bagua_lite.algorithms.decentralized as dec
+    out = {}
+    saved = dec.FIRST_CHUNK, dec.CHUNK
+    dec.FIRST_CHUNK, dec.CHUNK = 150, 700
+    try:
+        for mode in ("ring", "ring_one_way", "all"):
+            lr, gamma = 0.1, 0.8
+            net = _mlp()
+            opt = _sgd(net, lr=lr, momentum=0.0)
+            model = bagua_lite.DistributedModel(net, opt, build("decentralized", peer_selection=mode, compression="fp16",
+                                                                consensus_step=gamma), bucket_size_mb=0.01)
+            assert len(model.algorithm.chunks) > 3 or P == 1
+            x_hat = [_flat(net) for _ in range(P)]  # everyone's public copy, replayed here
+            nbrs = {"ring": sorted({(rank - 1) % P, (rank + 1) % P} - {rank}),
+                    "ring_one_way": [(rank - 1) % P] if P > 1 else [], "all": [j for j in range(P) if j != rank]}[mode]
+            errs = []
+            for s in range(5):
+                x, y = _batch(rank, s)
+                before, g = _flat(net), _local_grad(net, x, y)
+                _step(model, opt, x, y)
+                everyone = [torch.zeros_like(before) for _ in range(P)]
+                dist.all_gather(everyone, before)
+                if P > 1:
+                    for j in range(P):
+                        x_hat[j] = x_hat[j] + (everyone[j] - x_hat[j]).half().float()
+                mean = torch.stack([x_hat[j] for j in [rank] + nbrs]).mean(0)
+                expect = before - lr * g + gamma * (mean - x_hat[rank])
+                errs.append(float((_flat(net) - expect).abs().max()))
+            model.close()
+            out[mode] = max(errs)
+    finally:
+        dec.FIRST_CHUNK, dec.CHUNK = saved
+    return out
+
+
+@pytest.mark.parametrize("P", (1, 3, 4), ids=lambda p: f"P{p}")
+def test_compressed_gossip_matches_reference(clusters, P):
+    for r, out in enumerate(clusters.get(P).run(_r_compressed_gossip, timeout=120)):
+        for mode, err in out.items():
+            assert err < 1e-5, f"{mode}: rank {r} differs from the CHOCO replay by {err}"
+
+
 def _r_local_sgd(rank, P, compression):
     return _train_hashes(rank, "local_sgd", {"period": 3, "warmup_steps": 4, "compression": compression}, 11)["hashes"]
 
@@ -890,3 +938,42 @@ def test_tune_cpu_allocator_reuses_large_blocks(enabled):
     else:
         assert flags == "False False"
         assert fresh > 0.9, f"expected fresh pages every step without tuning, got {fresh:.0%}"
+
+
+def _r_decentralized_dead_peer(rank, P, victim, name):
+    net = _mlp()
+    opt = _sgd(net, lr=0.05, momentum=0.0)
+    model = bagua_lite.DistributedModel(net, opt, build(name), bucket_size_mb=0.01)
+    for s in range(3):
+        _step(model, opt, *_batch(rank, s))
+    if rank == victim:
+        os._exit(1)
+    t0 = time.monotonic()
+    try:
+        for s in range(3, 10_000):
+            _step(model, opt, *_batch(rank, s))
+    except RuntimeError as e:
+        return ("raised", time.monotonic() - t0, str(e))
+    return ("returned", time.monotonic() - t0, "")
+
+
+@pytest.mark.parametrize("name", ["decentralized", "low_precision_decentralized"])
+def test_decentralized_dead_peer_raises(name):
+    """A peer dies between exchanges: the survivors' training thread raises (the compressed exchange's
+    background thread hands its error over) within the process group's timeout, never hangs: the
+    algorithm's own groups take the user's timeout, not torch's 30-minute default."""
+    P, victim, pg_timeout = 3, 1, 5
+    c = Cluster(P, timeout_s=pg_timeout)
+    try:
+        with pytest.raises(RemoteError) as info:
+            c.run(_r_decentralized_dead_peer, victim, name, timeout=90, grace=pg_timeout + 20)
+        err = info.value
+        assert err.dead == [victim], str(err)
+        survivors = {r: v for r, (ok, v) in err.partial.items() if ok}
+        assert sorted(survivors) == [0, 2], str(err)
+        for r, (what, elapsed, msg) in survivors.items():
+            assert what == "raised" and elapsed < pg_timeout + 10, (r, what, elapsed, msg)
+            if name == "low_precision_decentralized":
+                assert "weight exchange failed on rank" in msg, (r, msg)
+    finally:
+        c.close()

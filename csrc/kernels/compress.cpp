@@ -116,6 +116,38 @@ class SignCompressor final : public Compressor {
   }
 };
 
+// The float32 hot loops, compiled for AVX2 as well as the baseline and picked at load time (GCC's function
+// multiversioning), so one build runs on any x86-64 and at full width where it can. They vectorize
+// because they are branch-free (the extension builds with -fno-trapping-math, which lets a float compare
+// become a blend) and alias-free (a uint8 store may alias anything: without locals and __restrict__ the
+// grid would be reloaded every element). Rounding adds and subtracts 1.5 * 2^23: round to nearest even in
+// the FPU's default mode, like nearbyint, without a library call.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define BL_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define BL_MULTIVERSION
+#endif
+
+BL_MULTIVERSION void quantize_f32(const float* __restrict__ src, uint8_t* __restrict__ dst, int64_t n,
+                                  float origin, float scale, float zero) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = (src[i] - origin) * scale + zero;
+    v = v < 0.f ? 0.f : v;
+    v = v > 255.f ? 255.f : v;
+    v = (v + 12582912.f) - 12582912.f;
+    dst[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
+  }
+}
+
+BL_MULTIVERSION void dequantize_f32(const uint8_t* __restrict__ q, float* __restrict__ dst, int64_t n, float origin,
+                                    float step, float zero, bool accumulate) {
+  if (accumulate) {
+    for (int64_t i = 0; i < n; ++i) dst[i] += origin + (static_cast<float>(q[i]) - zero) * step;
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = origin + (static_cast<float>(q[i]) - zero) * step;
+  }
+}
+
 // Quantize n values to uint8 over [min, max]. Header holds min and max as float32 so that every
 // receiver reconstructs exactly the same values from the same bytes.
 // The uint8 grid of a [lo, hi] header: q = round((x - origin) * scale + zero), x ~= origin + (q - zero) * step.
@@ -161,25 +193,28 @@ class MinMaxUInt8Compressor final : public Compressor {
                "minmax_uint8 compress: input must be finite (min=", header[0], ", max=", header[1], ")");
     }
     const MinMaxGrid grid(header[0], header[1]);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "minmax_uint8_compress", [&] {
-      const scalar_t* p = x.const_data_ptr<scalar_t>();
+    if (x.scalar_type() == at::kFloat) {
+      const float* p = x.const_data_ptr<float>();
       at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
-        // Branch-free and alias-free (a uint8 store may alias anything, so without locals and
-        // __restrict__ lo and scale would be reloaded every element), so the compiler vectorizes it:
-        // clamp to [0, 255], round to nearest even (adding and subtracting 1.5 * 2^23 rounds in the FPU's
-        // default mode, like nearbyint, without a library call), convert the exact integer.
-        const float origin = grid.origin, scale = grid.scale, zero = grid.zero;
-        const scalar_t* __restrict__ src = p;
-        uint8_t* __restrict__ dst = q;
-        for (int64_t i = b; i < e; ++i) {
-          float v = (static_cast<float>(src[i]) - origin) * scale + zero;
-          v = v < 0.f ? 0.f : v;
-          v = v > 255.f ? 255.f : v;
-          v = (v + 12582912.f) - 12582912.f;
-          dst[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
-        }
+        quantize_f32(p + b, q + b, e - b, grid.origin, grid.scale, grid.zero);
       });
-    });
+    } else {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "minmax_uint8_compress", [&] {
+        const scalar_t* p = x.const_data_ptr<scalar_t>();
+        at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+          const float origin = grid.origin, scale = grid.scale, zero = grid.zero;
+          const scalar_t* __restrict__ src = p;
+          uint8_t* __restrict__ dst = q;
+          for (int64_t i = b; i < e; ++i) {  // the float32 loop's arithmetic, on other input types
+            float v = (static_cast<float>(src[i]) - origin) * scale + zero;
+            v = v < 0.f ? 0.f : v;
+            v = v > 255.f ? 255.f : v;
+            v = (v + 12582912.f) - 12582912.f;
+            dst[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
+          }
+        });
+      });
+    }
     std::memcpy(out.data_ptr<uint8_t>(), header, kHeader);
   }
 
@@ -192,6 +227,13 @@ class MinMaxUInt8Compressor final : public Compressor {
     const MinMaxGrid grid(header[0], header[1]);
     const float origin = grid.origin, step = grid.step, zero = grid.zero;
     const uint8_t* q = in.const_data_ptr<uint8_t>() + kHeader;
+    if (out.scalar_type() == at::kFloat) {
+      float* p = out.data_ptr<float>();
+      at::parallel_for(0, n, 1 << 16, [&](int64_t b, int64_t e) {
+        dequantize_f32(q + b, p + b, e - b, origin, step, zero, accumulate);
+      });
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "minmax_uint8_decompress", [&] {
       // Accumulate in the output's op-math type (double for float64), like an add of the decoded values.
       using acc_t = at::opmath_type<scalar_t>;
