@@ -6,10 +6,12 @@ compressed once Adam's second moment has settled and been frozen. The optimizer 
     afterwards (v frozen): m_local <- beta1 * m + (1 - beta1) * g            # in the bucket, per rank
                            m <- compressed_mean(m_local; error feedback e)     # e per bucket, kept here
                            t <- t + 1;  x <- x * (1 - lr * wd)                 # AdamW only
-                           x <- x - lr / (1 - beta1^t) * m / (sqrt(v_hat) + eps)
+                           x <- x - lr * clip(m / (1 - beta1^t) / (sqrt(v_hat) + eps), B)
     v_hat = v / (1 - beta2^T): v bias-corrected once, at the freeze (T = Adam steps taken so far), then
     constant. (Keeping Adam's 1 - beta2^t correction on a frozen v would shrink the denominator as t
     grows and inflate every step, up to sqrt(1 / (1 - beta2^T)) times: 4.5x for T = 50.)
+    B = max(1, (1 - beta1) / sqrt(1 - beta2)): no coordinate steps further than Adam itself ever can
+    (Kingma & Ba 2015, section 2.1); a frozen v that was ~0 during warm-up would otherwise divide by eps.
 
 m is identical on every rank (it is the previous step's averaged momentum), so the replicas stay
 identical. The post-warm-up update runs in an optimizer step pre-hook, which then sets ``.grad`` to None
@@ -57,6 +59,14 @@ class QAdam(Algorithm):
         mine = {p for b in model.buckets for p in b.params}
         self._groups = {p: g for g in opt.param_groups for p in g["params"] if p in mine}
         self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]
+        # sqrt(v_hat) + eps per parameter, made once at the freeze (v is constant afterwards), and one
+        # scratch buffer for the step: nothing of the model's size is allocated per step
+        self._denoms = {}
+        self._scratch = {}
+        for p in mine:
+            key = (p.dtype, p.device)
+            if key not in self._scratch or self._scratch[key].numel() < p.numel():
+                self._scratch[key] = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
         self._hook = opt.register_step_pre_hook(self._update)
 
     def bucket_ops(self, bucket):
@@ -105,14 +115,23 @@ class QAdam(Algorithm):
                         continue
                     state = self._state(p)
                     state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
-                    if self.step == self.warmup_steps:  # the freeze: v_hat = v / (1 - beta2^T), once
-                        state["exp_avg_sq"].div_(1 - beta2 ** float(state["step"]))
+                    if self.step == self.warmup_steps or p not in self._denoms:  # the freeze (or a resume)
+                        if self.step == self.warmup_steps:
+                            state["exp_avg_sq"].div_(1 - beta2 ** float(state["step"]))
+                        self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
                     state["step"] += 1
                     t = float(state["step"])
                     if wd and self._decoupled(group):
                         p.mul_(1 - lr * wd)
-                    denom = state["exp_avg_sq"].sqrt().add_(eps)
-                    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** t))
+                    # m_hat / (sqrt(v_hat) + eps), at most Adam's own largest step: B = max(1, (1 - beta1) /
+                    # sqrt(1 - beta2)) (Kingma & Ba, section 2.1). A live v keeps Adam under it; a frozen one
+                    # does not: a coordinate whose gradient was ~0 during warm-up (a ReLU unit not yet
+                    # active) would later step m / eps, up to 1e8 x lr, and the model blows up.
+                    ratio = self._scratch[(p.dtype, p.device)][:p.numel()].view_as(p)
+                    torch.div(state["exp_avg"], self._denoms[p], out=ratio)
+                    bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5) * (1 - beta1 ** t)
+                    ratio.clamp_(-bound, bound)
+                    p.add_(ratio, alpha=-lr / (1 - beta1 ** t))
                     p.grad = None  # torch's Adam.step skips it
 
     def _decoupled(self, group):

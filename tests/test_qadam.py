@@ -168,7 +168,9 @@ def _check_reference(P, model, opt, params, s, kind, wd, before, levels):
         assert err <= tol, f"{kind} param {i}: momentum is {err} away from the ranks' mean (tolerance {tol})"
         v = opt.state[p]["exp_avg_sq"].double()
         x = before["x"][i] * (1 - lr * wd if kind == "adamw" else 1.0)
-        want = x - lr * (m / (1 - b1 ** t)) / (v.sqrt() + eps)  # v: bias-corrected once, at the freeze
+        # v: bias-corrected once, at the freeze; no coordinate steps further than Adam's bound B allows
+        bound = max(1.0, (1 - b1) / (1 - b2) ** 0.5)
+        want = x - lr * ((m / (1 - b1 ** t)) / (v.sqrt() + eps)).clamp(-bound, bound)
         err = float((p.detach().double() - want).abs().max())
         assert err < 1e-6, f"{kind} param {i}: update differs from Adam with frozen v by {err}"
 
@@ -242,3 +244,34 @@ def test_bad_options_are_clear():
         build("qadam", warmup_steps=2.5)
     alg = bagua_lite.load_config(os.path.join(ROOT, "configs", "qadam.yaml")).algorithm
     assert alg.name == "qadam" and "adam" in alg.optimizer_kinds
+
+
+def _r_unseen_coordinate(rank, P):
+    """Input feature 0 is 0 during warm-up, so its weights get no gradient and a frozen v of 0; then it
+    turns on. Unclipped, m / (sqrt(0) + eps) would step those weights by ~1e5 x lr; Adam's bound holds."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=2))
+    g = torch.Generator().manual_seed(rank)
+    moves = []
+    for s in range(6):
+        x = torch.randn(8, 4, generator=g)
+        if s < 2:
+            x[:, 0] = 0
+        before = net.weight.detach()[:, 0].clone()
+        F.cross_entropy(model(x), torch.randint(0, 3, (8,), generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+        moves.append(float((net.weight.detach()[:, 0] - before).abs().max()))
+    model.close()
+    assert float(opt.state[net.weight]["exp_avg_sq"][:, 0].abs().max()) == 0  # frozen with nothing seen
+    return moves
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_frozen_variance_of_an_unseen_coordinate_stays_within_adams_bound(clusters, P):
+    bound = max(1.0, 0.1 / 0.001 ** 0.5) * 1e-2  # B * lr for Adam's default betas
+    for r, moves in enumerate(clusters.get(P).run(_r_unseen_coordinate)):
+        assert moves[:2] == [0.0, 0.0], moves
+        assert 0 < max(moves[2:]) <= bound * (1 + 1e-5), f"rank {r}: feature 0's weights moved {moves}"
