@@ -83,6 +83,20 @@ def test_builtin_codecs_against_references(n):
         assert float((_roundtrip(x, "minmax_uint8") - x).abs().max()) <= step / 2 * 1.001
 
 
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 65_537, 300_001])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_builtin_decompress_accumulates(n, dtype):
+    """decompress(accumulate=True) adds exactly the decoded values (float32 has its own fast loops)."""
+    g = torch.Generator().manual_seed(n)
+    x, base = torch.randn(n, generator=g, dtype=dtype), torch.randn(n, generator=g, dtype=dtype)
+    for name in BUILTINS:
+        wire = K.compress(x, name)
+        decoded = K.decompress(wire, name, n, dtype)
+        out = base.clone()
+        bagua_lite._C.decompress_into(wire, name, out, True)
+        assert torch.equal(out, base + decoded), name
+
+
 def test_sign_rejects_non_finite_and_names_it():
     with pytest.raises(ValueError, match=r"sign compress: input must be finite"):
         K.compress(torch.tensor([1.0, float("inf")]), "sign")

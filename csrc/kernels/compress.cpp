@@ -9,6 +9,11 @@
 #include <cstring>
 #include <limits>
 
+#include <c10/util/Half.h>
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 
 namespace bagua_lite {
@@ -19,6 +24,103 @@ void check_wire(const at::Tensor& wire, int64_t need, const char* fn) {
   BL_CHECK(wire.scalar_type() == at::kByte, fn, ": wire buffer must be uint8, got ", wire.scalar_type());
   BL_CHECK(wire.is_contiguous(), fn, ": wire buffer must be contiguous");
   BL_CHECK(wire.numel() == need, fn, ": wire buffer has ", wire.numel(), " bytes, expected ", need);
+}
+
+// The float32 hot loops, compiled for AVX2 as well as the baseline and picked at load time (GCC's function
+// multiversioning), so one build runs on any x86-64 and at full width where it can. They vectorize
+// because they are branch-free (the extension builds with -fno-trapping-math, which lets a float compare
+// become a blend) and alias-free (a uint8 store may alias anything: without locals and __restrict__ the
+// grid would be reloaded every element). Rounding adds and subtracts 1.5 * 2^23: round to nearest even in
+// the FPU's default mode, like nearbyint, without a library call.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define BL_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define BL_MULTIVERSION
+#endif
+
+BL_MULTIVERSION void quantize_f32(const float* __restrict__ src, uint8_t* __restrict__ dst, int64_t n,
+                                  float origin, float scale, float zero) {
+  for (int64_t i = 0; i < n; ++i) {
+    float v = (src[i] - origin) * scale + zero;
+    v = v < 0.f ? 0.f : v;
+    v = v > 255.f ? 255.f : v;
+    v = (v + 12582912.f) - 12582912.f;
+    dst[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
+  }
+}
+
+BL_MULTIVERSION void dequantize_f32(const uint8_t* __restrict__ q, float* __restrict__ dst, int64_t n, float origin,
+                                    float step, float zero, bool accumulate) {
+  if (accumulate) {
+    for (int64_t i = 0; i < n; ++i) dst[i] += origin + (static_cast<float>(q[i]) - zero) * step;
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = origin + (static_cast<float>(q[i]) - zero) * step;
+  }
+}
+
+// 16-bit floats to float32 (overwriting or added into out). bf16 is float32's upper half: a shift, which
+// vectorizes anywhere. fp16 needs F16C's vcvtph2ps (every x86-64 CPU since 2012), picked at run time;
+// without it, c10's portable conversion.
+BL_MULTIVERSION void bf16_to_f32(const uint16_t* __restrict__ in, float* __restrict__ out, int64_t n,
+                                 bool accumulate) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(in[i]) << 16;
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    out[i] = accumulate ? out[i] + v : v;
+  }
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void fp16_to_f32_f16c(const uint16_t* __restrict__ in, float* __restrict__ out,
+                                                          int64_t n, bool accumulate) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i)));
+    if (accumulate) v = _mm256_add_ps(v, _mm256_loadu_ps(out + i));
+    _mm256_storeu_ps(out + i, v);
+  }
+  for (; i < n; ++i) {
+    const float v = c10::detail::fp16_ieee_to_fp32_value(in[i]);
+    out[i] = accumulate ? out[i] + v : v;
+  }
+}
+#endif
+
+void fp16_to_f32(const uint16_t* in, float* out, int64_t n, bool accumulate) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  if (f16c) return fp16_to_f32_f16c(in, out, n, accumulate);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = c10::detail::fp16_ieee_to_fp32_value(in[i]);
+    out[i] = accumulate ? out[i] + v : v;
+  }
+}
+
+// sign's bit packing for float32: byte j holds elements 8j..8j+7, bit k set iff x >= 0 (NaN: clear), and its
+// inverse (+-scale, overwriting or added). Whole bytes only; the caller does a partial last byte.
+BL_MULTIVERSION void sign_pack_f32(const float* __restrict__ x, uint8_t* __restrict__ bits, int64_t nbytes) {
+  for (int64_t j = 0; j < nbytes; ++j) {
+    const float* v = x + 8 * j;
+    uint32_t byte = 0;
+    for (int k = 0; k < 8; ++k) byte |= static_cast<uint32_t>(v[k] >= 0.f) << k;
+    bits[j] = static_cast<uint8_t>(byte);
+  }
+}
+
+// table: 256 rows of the 8 values (+-scale) a byte stands for, so a byte costs one 8-float row copy or add
+BL_MULTIVERSION void sign_unpack_f32(const uint8_t* __restrict__ bits, float* __restrict__ out, int64_t nbytes,
+                                     const float* __restrict__ table, bool accumulate) {
+  if (accumulate) {
+    for (int64_t j = 0; j < nbytes; ++j) {
+      const float* t = table + 8 * bits[j];
+      float* o = out + 8 * j;
+      for (int k = 0; k < 8; ++k) o[k] += t[k];
+    }
+  } else {
+    for (int64_t j = 0; j < nbytes; ++j) std::memcpy(out + 8 * j, table + 8 * bits[j], 8 * sizeof(float));
+  }
 }
 
 // fp16 and bf16: a cast to a 16-bit float type on the way out, and back (or added) on the way in.
@@ -36,6 +138,15 @@ class HalfCompressor final : public Compressor {
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
     check_wire(in, wire_bytes(out.numel()), name_);
     if (out.numel() == 0) return;
+    if (out.device().is_cpu() && out.scalar_type() == at::kFloat) {
+      // ATen's mixed-dtype add (float32 += half) runs about 8x slower than this conversion loop
+      const uint16_t* q = reinterpret_cast<const uint16_t*>(in.const_data_ptr<uint8_t>());
+      float* p = out.data_ptr<float>();
+      at::parallel_for(0, out.numel(), 1 << 16, [&](int64_t b, int64_t e) {
+        (kWire == at::kHalf ? fp16_to_f32 : bf16_to_f32)(q + b, p + b, e - b, accumulate);
+      });
+      return;
+    }
     auto flat = out.view(-1);
     if (accumulate) flat.add_(in.view(kWire)); else flat.copy_(in.view(kWire));
   }
@@ -71,7 +182,15 @@ class SignCompressor final : public Compressor {
         bits.copy_((pad.view({-1, 8}) * weights).sum(1).to(at::kByte));
       } else {
         uint8_t* b = bits.data_ptr<uint8_t>();
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sign_compress", [&] {
+        if (x.scalar_type() == at::kFloat) {
+          const float* p = x.const_data_ptr<float>();
+          at::parallel_for(0, n / 8, 1 << 14, [&](int64_t lo, int64_t hi) { sign_pack_f32(p + 8 * lo, b + lo, hi - lo); });
+          if (n % 8) {
+            uint8_t byte = 0;
+            for (int64_t i = n / 8 * 8; i < n; ++i) byte |= static_cast<uint8_t>(p[i] >= 0.f) << (i & 7);
+            b[n / 8] = byte;
+          }
+        } else AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sign_compress", [&] {
           const scalar_t* p = x.const_data_ptr<scalar_t>();
           at::parallel_for(0, (n + 7) / 8, 1 << 14, [&](int64_t lo, int64_t hi) {
             for (int64_t j = lo; j < hi; ++j) {
@@ -103,6 +222,21 @@ class SignCompressor final : public Compressor {
       return;
     }
     const uint8_t* b = bits.const_data_ptr<uint8_t>();
+    if (out.scalar_type() == at::kFloat) {
+      float* p = out.data_ptr<float>();
+      float table[256 * 8];
+      for (int byte = 0; byte < 256; ++byte) {
+        for (int k = 0; k < 8; ++k) table[8 * byte + k] = ((byte >> k) & 1) ? scale : -scale;
+      }
+      at::parallel_for(0, n / 8, 1 << 13, [&](int64_t lo, int64_t hi) {
+        sign_unpack_f32(b + lo, p + 8 * lo, hi - lo, table, accumulate);
+      });
+      for (int64_t i = n / 8 * 8; i < n; ++i) {
+        const float v = ((b[i >> 3] >> (i & 7)) & 1) ? scale : -scale;
+        p[i] = accumulate ? p[i] + v : v;
+      }
+      return;
+    }
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "sign_decompress", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       scalar_t* p = out.data_ptr<scalar_t>();
@@ -115,38 +249,6 @@ class SignCompressor final : public Compressor {
     });
   }
 };
-
-// The float32 hot loops, compiled for AVX2 as well as the baseline and picked at load time (GCC's function
-// multiversioning), so one build runs on any x86-64 and at full width where it can. They vectorize
-// because they are branch-free (the extension builds with -fno-trapping-math, which lets a float compare
-// become a blend) and alias-free (a uint8 store may alias anything: without locals and __restrict__ the
-// grid would be reloaded every element). Rounding adds and subtracts 1.5 * 2^23: round to nearest even in
-// the FPU's default mode, like nearbyint, without a library call.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define BL_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define BL_MULTIVERSION
-#endif
-
-BL_MULTIVERSION void quantize_f32(const float* __restrict__ src, uint8_t* __restrict__ dst, int64_t n,
-                                  float origin, float scale, float zero) {
-  for (int64_t i = 0; i < n; ++i) {
-    float v = (src[i] - origin) * scale + zero;
-    v = v < 0.f ? 0.f : v;
-    v = v > 255.f ? 255.f : v;
-    v = (v + 12582912.f) - 12582912.f;
-    dst[i] = static_cast<uint8_t>(static_cast<int32_t>(v));
-  }
-}
-
-BL_MULTIVERSION void dequantize_f32(const uint8_t* __restrict__ q, float* __restrict__ dst, int64_t n, float origin,
-                                    float step, float zero, bool accumulate) {
-  if (accumulate) {
-    for (int64_t i = 0; i < n; ++i) dst[i] += origin + (static_cast<float>(q[i]) - zero) * step;
-  } else {
-    for (int64_t i = 0; i < n; ++i) dst[i] = origin + (static_cast<float>(q[i]) - zero) * step;
-  }
-}
 
 // Quantize n values to uint8 over [min, max]. Header holds min and max as float32 so that every
 // receiver reconstructs exactly the same values from the same bytes.
