@@ -83,6 +83,9 @@ class ErrorFeedbackSparsifier(Algorithm):
             acc.add_(g)
 
     def bucket_ops(self, bucket):
+        if bucket.numel == 0:  # zero-size parameters only: nothing to select or send (the same on every rank)
+            return []
+
         def sparsify_and_aggregate(flat, b=bucket):
             acc = self.residuals[b.index]  # already holds gradient + old residual (on_gradient)
             k = self.k_for(b)

@@ -3,6 +3,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import comm, compressors, kernels, runtime  # noqa: F401
 from .algorithm import Algorithm, register  # noqa: F401
+from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from .compressors import Compressor, register_compressor  # noqa: F401
 from .config import Config, load_config, parse_config  # noqa: F401
 from .distributed import DistributedModel  # noqa: F401

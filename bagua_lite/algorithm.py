@@ -34,6 +34,7 @@ Hooks, in the order of one training step:
                            periodic relaxation such as local SGD returns its period). Timing an average
                            step means averaging over whole cycles; the benchmark does.
 """
+import functools
 import inspect
 import math
 from typing import Dict, List, Type
@@ -55,6 +56,32 @@ class Algorithm:
     def __init__(self):
         self.step = 0
         self.model = None
+
+    def __init_subclass__(cls, **kwargs):
+        """Record the options of every instance, however it is made (``build(...)`` or ``GTopK(...)``), so
+        the cross-rank config check and ``repr`` see them: the outermost ``__init__`` binds its arguments."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def recorded(self, *args, **kw):
+            outer = not self.__dict__.get("_binding", False)
+            self.__dict__["_binding"] = True
+            try:
+                init(self, *args, **kw)
+            finally:
+                if outer:
+                    del self.__dict__["_binding"]
+            if outer:
+                bound = inspect.signature(init).bind(self, *args, **kw)
+                bound.apply_defaults()
+                params = inspect.signature(init).parameters
+                self._options = {k: v for k, v in bound.arguments.items()
+                                 if k != "self" and params[k].kind in (params[k].POSITIONAL_OR_KEYWORD,
+                                                                       params[k].KEYWORD_ONLY)}
+        cls.__init__ = recorded
 
     # ---- set-up ----------------------------------------------------------------------------------------
     def init(self, model) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import _C, comm, runtime
 from ._groups import resolve_group
 from .algorithm import Algorithm, build
-from .bucket import Bucket, plan_model_buckets
+from .bucket import Bucket, plan_buckets, plan_model_buckets
 
 
 def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
@@ -33,12 +33,18 @@ def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
+def _digest(obj) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
+
+
 class DistributedModel(torch.nn.Module):
     """Wrap ``module`` and its ``optimizer`` for data-parallel training with a bagua_lite algorithm.
 
     ``algorithm`` is an :class:`Algorithm` instance or a registered name. ``bucket_size_mb`` caps a
     gradient bucket. Parameters and buffers are broadcast from rank 0 at set-up, and every rank must
-    pass the same algorithm options and bucket size (checked: a mismatch names the differing rank).
+    pass the same algorithm options and bucket size and build the same model (checked: a mismatch names
+    the differing rank). ``broadcast_buffers`` (default True, as DDP): rank 0's buffers are broadcast
+    before every forward with gradients enabled (not for asynchronous algorithms).
 
     Example::
 
@@ -49,7 +55,7 @@ class DistributedModel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
-                 group=None, broadcast_parameters: bool = True):
+                 group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True):
         super().__init__()
         if isinstance(algorithm, str):
             from . import algorithms  # noqa: F401  (registers the built-ins)
@@ -70,6 +76,7 @@ class DistributedModel(torch.nn.Module):
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
 
+        self.broadcast_buffers = bool(broadcast_buffers)
         self._check_same_config()
         if broadcast_parameters:
             with torch.no_grad():
@@ -102,6 +109,8 @@ class DistributedModel(torch.nn.Module):
 
     # ---- user-facing ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
+            self._sync_buffers()
         self.algorithm.before_forward()
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._sync_enabled:
@@ -111,6 +120,20 @@ class DistributedModel(torch.nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._on_output_grad)
         return out
+
+    def _sync_buffers(self):
+        """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) to every rank
+        before each training forward, one coalesced broadcast per dtype. Asynchronous algorithms skip it
+        (it would make every rank wait for rank 0 each step); their averaging carries parameters only."""
+        buffers = [b for b in self.module.buffers() if b.numel()]
+        if self.world_size == 1 or not buffers:
+            return
+        with torch.no_grad():
+            for group in plan_buckets(buffers, 1 << 62):  # one flat tensor per dtype and device
+                flat = torch._utils._flatten_dense_tensors(group)
+                comm.broadcast(flat, 0, self.process_group)
+                for b, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                    b.copy_(synced)
 
     def _on_output_grad(self, grad):
         if self._sync_enabled and self.algorithm.sync_gradients():
@@ -145,14 +168,32 @@ class DistributedModel(torch.nn.Module):
 
     # ---- set-up checks ---------------------------------------------------------------------------------
     def _check_same_config(self):
-        mine = torch.tensor([_config_digest(self.algorithm, self.bucket_size_mb)], dtype=torch.int64)
+        """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
+        shapes, dtypes, requires_grad, as DDP checks). A mismatch raises on every rank, naming the ranks
+        (and, for the layout, the first differing parameter) before any collective that could abort."""
+        layout = [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+                  for name, p in self.module.named_parameters()]
+        mine = torch.tensor([_config_digest(self.algorithm, self.bucket_size_mb), _digest(layout)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self.process_group)
-        differ = [r for r, d in enumerate(everyone) if int(d) != int(everyone[0])]
+        differ = [r for r, d in enumerate(everyone) if int(d[0]) != int(everyone[0][0])]
         if differ:
             raise ValueError(f"DistributedModel: ranks were started with different configurations: rank(s) "
                              f"{differ} differ from rank 0 (this is rank {self.rank}, running "
                              f"{self.algorithm!r}, bucket_size_mb={self.bucket_size_mb})")
+        differ = [r for r, d in enumerate(everyone) if int(d[1]) != int(everyone[0][1])]
+        if differ:
+            layouts = [None] * self.world_size
+            dist.all_gather_object(layouts, layout, group=self.process_group)
+            r, ref, other = differ[0], layouts[0], layouts[differ[0]]
+            i = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+            what = lambda entry: ("no parameter" if entry is None else  # noqa: E731
+                                  f"{entry[0]!r} shape {list(entry[1])} {entry[2]} requires_grad={entry[3]}")
+            raise ValueError(
+                f"DistributedModel: the model differs across ranks: rank(s) {differ} differ from rank 0 "
+                f"(this is rank {self.rank}); first difference, parameter #{i}: rank 0 has "
+                f"{what(ref[i] if i < len(ref) else None)}, rank {r} has {what(other[i] if i < len(other) else None)}. "
+                f"Every rank must build the same model and freeze the same parameters")
 
     # ---- the scheduler -----------------------------------------------------------------------------------
     def _on_grad_ready(self, p):

@@ -33,6 +33,7 @@ import bagua_lite
 import bagua_lite.algorithms
 from bagua_lite import comm
 from bagua_lite.algorithm import build
+from bagua_lite.algorithms.gtopk import GTopK
 
 from cluster import Cluster, RemoteError
 from test_compressors import AbsMax4  # noqa: F401  (registers the user compressor "absmax4_test")
@@ -657,20 +658,21 @@ def _r_mismatched(rank, P, which):
     opts = {"density": 0.01}
     bucket = 1.0
     if rank == P - 1:
-        if which == "option":
+        if which in ("option", "direct_instance"):
             opts["density"] = 0.02
         else:
             bucket = 2.0
     net = _mlp()
     try:
-        bagua_lite.DistributedModel(net, _sgd(net), build("gtopk", **opts), bucket_size_mb=bucket)
+        alg = GTopK(**opts) if which == "direct_instance" else build("gtopk", **opts)
+        bagua_lite.DistributedModel(net, _sgd(net), alg, bucket_size_mb=bucket)
     except ValueError as e:
         return str(e)
     return None
 
 
 @pytest.mark.parametrize("P", WORLD, ids=lambda p: f"P{p}")
-@pytest.mark.parametrize("which", ["option", "bucket_size_mb"])
+@pytest.mark.parametrize("which", ["option", "bucket_size_mb", "direct_instance"])
 def test_mismatched_configs_fail_on_every_rank(clusters, P, which):
     msgs = clusters.get(P).run(_r_mismatched, which, timeout=60)
     for r, msg in enumerate(msgs):
@@ -977,3 +979,109 @@ def test_decentralized_dead_peer_raises(name):
                 assert "weight exchange failed on rank" in msg, (r, msg)
     finally:
         c.close()
+
+
+class _WithEmpty(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.empty = torch.nn.Parameter(torch.empty(0))  # registered first: its gradient is ready last
+        self.net = _mlp()
+
+    def forward(self, x):
+        return self.net(x) + self.empty.sum()
+
+
+def _r_empty_bucket(rank, P, name):
+    torch.manual_seed(0)
+    net = _WithEmpty()
+    opt = _sgd(net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, density=0.1), bucket_size_mb=0.001)
+    assert any(b.numel == 0 for b in model.buckets), model.buckets
+    for s in range(4):
+        _step(model, opt, *_batch(rank, s))
+    model.close()
+    return _sha(_flat(net))
+
+
+@pytest.mark.parametrize("name", ["topk", "gtopk"])
+def test_sparse_algorithms_skip_an_empty_bucket(clusters, name):
+    """A zero-size parameter alone in a bucket: nothing to select, no k = 1 of 0 elements (it raised)."""
+    hashes = clusters.get(3).run(_r_empty_bucket, name, timeout=60)
+    assert len(set(hashes)) == 1, "replicas differ"
+
+
+def _r_layout_mismatch(rank, P, which):
+    net = _mlp()
+    if rank == P - 1:
+        if which == "shape":
+            net[2] = torch.nn.Linear(HIDDEN, HIDDEN + 1)
+            net[4] = torch.nn.Linear(HIDDEN + 1, CLASSES)
+        elif which == "frozen":
+            net[0].bias.requires_grad_(False)
+        else:  # dtype
+            net[4].double()
+    try:
+        bagua_lite.DistributedModel(net, _sgd(net), "gradient_allreduce")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("which, pattern", [
+    ("shape", r"parameter #2: rank 0 has '2.weight' shape \[64, 64\] torch.float32 requires_grad=True, "
+              r"rank {r} has '2.weight' shape \[65, 64\]"),
+    ("frozen", r"parameter #1: rank 0 has '0.bias' .*requires_grad=True, rank {r} has '0.bias' .*requires_grad=False"),
+    ("dtype", r"parameter #4: rank 0 has '4.weight' shape \[8, 64\] torch.float32 .*rank {r} has .*torch.float64"),
+])
+@pytest.mark.parametrize("P", (2, 3))
+def test_model_layout_mismatch_raises_on_every_rank(clusters, P, which, pattern):
+    """As DDP: a model that differs across ranks is refused at wrap time, on every rank, naming the first
+    differing parameter (before, the broadcast of parameters aborted one process with SIGABRT)."""
+    for r, msg in enumerate(clusters.get(P).run(_r_layout_mismatch, which, timeout=60)):
+        assert msg is not None, f"rank {r} accepted a model that differs on rank {P - 1}"
+        assert re.search(rf"rank\(s\) \[{P - 1}\] differ", msg) and re.search(pattern.format(r=P - 1), msg), msg
+
+
+class _BN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.bn, self.out = torch.nn.Linear(D_IN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+def _r_broadcast_buffers(rank, P, name, broadcast):
+    net = _BN()
+    opt = _sgd(net)
+    model = bagua_lite.DistributedModel(net, opt, name, broadcast_buffers=broadcast)
+    errs = []
+    for s in range(4):
+        x, y = _batch(rank, s)
+        start = {k: v.clone() for k, v in net.state_dict().items()}
+        owner = [None] * P
+        dist.all_gather_object(owner, start)
+        ref = _BN()  # rank 0's buffers and this rank's parameters, this rank's batch: what DDP computes
+        buffers = dict(net.named_buffers())
+        ref.load_state_dict({**start, **{k: v for k, v in owner[0].items() if k in buffers}})
+        ref(x)
+        _step(model, opt, x, y)
+        errs.append(max(float((net.bn.running_mean - ref.bn.running_mean).abs().max()),
+                        float((net.bn.running_var - ref.bn.running_var).abs().max())))
+    mine = torch.cat([net.bn.running_mean, net.bn.running_var])
+    everyone = [torch.zeros_like(mine) for _ in range(P)]
+    dist.all_gather(everyone, mine)
+    model.close()
+    return max(errs), float((torch.stack(everyone) - mine).abs().max())
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "gtopk", "local_sgd"])
+def test_broadcast_buffers_like_ddp(clusters, name):
+    """Every training forward starts from rank 0's buffers (BatchNorm statistics), as DDP's default; with
+    broadcast_buffers=False each rank keeps its own."""
+    P = 3
+    for r, (err, spread) in enumerate(clusters.get(P).run(_r_broadcast_buffers, name, True, timeout=60)):
+        assert err < 1e-6, f"rank {r}: buffers are not rank 0's updated by this rank's batch ({err})"
+    spreads = [spread for _, spread in clusters.get(P).run(_r_broadcast_buffers, name, False, timeout=60)]
+    assert max(spreads) > 1e-3, "without broadcast_buffers the ranks' statistics should differ"
