@@ -180,9 +180,12 @@ class Decentralized(Algorithm):
                 for w in works:
                     w.wait()
                 size, nbr_sum, x_hat = C.wire_bytes(b - a), self.nbr_sum[g][a:b], self.x_hat[g][a:b]
-                for j, recv in enumerate(self.recv):  # x_hat_j += D(q_j), summed over the neighbours
-                    if j != own:
-                        C.decompress(recv[i].narrow(0, 0, size), nbr_sum, accumulate=True)
+                received = [recv[i].narrow(0, 0, size) for j, recv in enumerate(self.recv) if j != own]
+                if C.native and _C.gossip_fold(C.name, wire.narrow(0, 0, size), received, x_hat, nbr_sum,
+                                               self.snap[g][a:b], float(degree)):
+                    continue  # the same three steps as below, in one pass over memory
+                for q in received:  # x_hat_j += D(q_j), summed over the neighbours
+                    C.decompress(q, nbr_sum, accumulate=True)
                 C.decompress(wire.narrow(0, 0, size), x_hat, accumulate=True)
                 torch.add(nbr_sum, x_hat, alpha=-degree, out=self.snap[g][a:b])  # (d + 1) (mean - x_hat)
 

@@ -105,6 +105,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           kern::get_compressor(c).decompress(wire, out, accumulate);
         },
         py::arg("wire"), py::arg("compression"), py::arg("out"), py::arg("accumulate"), release());
+  m.def("gossip_fold",
+        [](const std::string& c, const at::Tensor& own, const std::vector<at::Tensor>& received, at::Tensor x_hat,
+           at::Tensor nbr_sum, at::Tensor delta, double degree) {
+          return kern::gossip_fold(c, own, received, x_hat, nbr_sum, delta, degree);
+        },
+        py::arg("compression"), py::arg("own"), py::arg("received"), py::arg("x_hat"), py::arg("nbr_sum"),
+        py::arg("delta"), py::arg("degree"), release());
   m.def("sparse_allreduce", &coll::sparse_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"),
         py::arg("numel"), py::arg("out") = py::none(), release());
   m.def("sparse_allgather", &coll::sparse_allgather, py::arg("pg"), py::arg("values"), py::arg("indices"),

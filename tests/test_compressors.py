@@ -256,3 +256,24 @@ print("ok")
 '''
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("n, received", [(1, 1), (4095, 2), (4097, 2), (300_001, 3)])
+def test_gossip_fold_matches_one_decompression_at_a_time(n, received):
+    """decentralized's fused fold (minmax_uint8, float32) against decompress-then-add, step by step."""
+    g = torch.Generator().manual_seed(n)
+    wires = [K.compress(torch.randn(n, generator=g) * (j + 1), "minmax_uint8") for j in range(received + 1)]
+    x_hat, nbr_sum = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    ref_x, ref_n = x_hat.clone(), nbr_sum.clone()
+    for w in wires[1:]:
+        bagua_lite._C.decompress_into(w, "minmax_uint8", ref_n, True)
+    bagua_lite._C.decompress_into(wires[0], "minmax_uint8", ref_x, True)
+    delta = torch.empty(n)
+    assert bagua_lite._C.gossip_fold("minmax_uint8", wires[0], wires[1:], x_hat, nbr_sum, delta, float(received))
+    assert torch.equal(x_hat, ref_x) and torch.equal(nbr_sum, ref_n)
+    assert torch.allclose(delta, ref_n - received * ref_x, rtol=0, atol=1e-5)
+    # no fused path: says so and touches nothing
+    before = x_hat.clone()
+    assert not bagua_lite._C.gossip_fold("fp16", wires[0], wires[1:], x_hat, nbr_sum, delta, 1.0)
+    assert not bagua_lite._C.gossip_fold("minmax_uint8", wires[0], wires[1:], x_hat.double(), nbr_sum, delta, 1.0)
+    assert torch.equal(x_hat, before)

@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace bagua_lite {
 namespace kernels {
@@ -30,6 +31,13 @@ class Compressor {
 
 // "fp16", "bf16", "minmax_uint8" or "sign"; anything else raises a ValueError listing the allowed names.
 const Compressor& get_compressor(const std::string& name);
+
+// Decentralized SGD's compressed exchange, folded in one pass (CHOCO, see algorithms/decentralized.py):
+// nbr_sum += sum_j D(received_j); x_hat += D(own); delta = nbr_sum - degree * x_hat. Returns false (and
+// touches nothing) when there is no fused path for this compression or these tensors (then the caller
+// decompresses one by one); the fused path: minmax_uint8 into contiguous float32 CPU tensors.
+bool gossip_fold(const std::string& compression, const at::Tensor& own, const std::vector<at::Tensor>& received,
+                 at::Tensor& x_hat, at::Tensor& nbr_sum, at::Tensor& delta, double degree);
 
 // Convenience wrappers for the Python kernels module.
 at::Tensor compress(const at::Tensor& x, const std::string& name);
