@@ -47,8 +47,9 @@ def _wrap(case, bucket_size_mb=0.004):
     return net, opt, bagua_lite.DistributedModel(net, opt, build(name, **opts), bucket_size_mb=bucket_size_mb)
 
 
-def _train(rank, net, opt, model, lo, hi):
-    torch.manual_seed(1000 + rank)  # dropout masks: per rank, continuing across a resume via the RNG state
+def _train(rank, net, opt, model, lo, hi, seed=True):
+    if seed:  # dropout masks: per rank; a resumed run does not reseed, it continues the checkpoint's RNG
+        torch.manual_seed(1000 + rank)
     for s in range(lo, hi):
         g = torch.Generator().manual_seed(rank * 7919 + s)
         x = torch.randn(16, D_IN, generator=g)
@@ -76,13 +77,7 @@ def _r_resume(rank, P, case, path, total=9, cut=5):
     net, opt, model = _wrap(case)  # a fresh process's view: new model, optimizer and algorithm
     _train(rank, net, opt, model, 0, 1)  # and some state of its own, which the load must replace
     extra = bagua_lite.load_checkpoint(path, model, opt)
-    # continue exactly as the uninterrupted run, without reseeding: the RNG state is the checkpoint's
-    for s in range(cut, total):
-        g = torch.Generator().manual_seed(rank * 7919 + s)
-        x = torch.randn(16, D_IN, generator=g)
-        F.cross_entropy(model(x), (x @ _W_TRUE).argmax(1)).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(rank, net, opt, model, cut, total, seed=False)
     model.close()
     return extra, float((_flat(net) - straight).abs().max())
 

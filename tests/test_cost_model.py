@@ -259,29 +259,11 @@ def test_bytes_per_rank_of_the_relaxations():
     assert cm.bytes_per_rank("decentralized", {"peer_selection": "ring_one_way"}, 4, [N], elem_bytes=2) == 2000
 
 
-class _Int4(bagua_lite.Compressor):
-    """A user's Python compressor (compressors.py's example): [scale f32][n int8 codes], error feedback."""
-    error_feedback = True
-
-    def wire_bytes(self, n):
-        return 4 + n
-
-    def compress(self, x, out):
-        scale = float(x.abs().max()) / 7 if x.numel() else 0.0
-        out[:4].view(torch.float32)[0] = scale
-        codes = (x / scale).round() if scale > 0 else torch.zeros_like(x)
-        out[4:].view(torch.int8).copy_(codes.clamp(-7, 7))
-
-    def decompress(self, wire, out, accumulate=False):
-        v = wire[4:].view(torch.int8).to(out.dtype) * wire[:4].view(torch.float32)[0]
-        out.add_(v.view_as(out)) if accumulate else out.copy_(v.view_as(out))
-
-
 def _user_compressor():
-    name = "cost_model_test_int4"
-    if name not in bagua_lite.compressors.registered_compressors():
-        bagua_lite.register_compressor(name)(_Int4)
-    return name
+    """A user's Python compressor: test_compressors' absmax 4-bit one ([scale f32][n int8 codes], error
+    feedback), registered as "absmax4_test" when that module is imported (here and in spawned ranks)."""
+    import test_compressors  # noqa: F401
+    return "absmax4_test"
 
 
 def test_a_users_compressor_is_sized_by_its_wire_bytes():
@@ -655,8 +637,8 @@ RELAXATION_CASES = [
     ("low_precision_decentralized", {}, "sgd", 0, 2),
     ("local_sgd", {"period": 2, "compression": "minmax_uint8"}, "sgd", 0, 2),
     # a user's Python compressor: its buffers padded to 8 bytes (2327 + 4 -> 2336 for decentralized)
-    ("gradient_allreduce", {"compression": "cost_model_test_int4"}, "sgd", 0, 1),
-    ("decentralized", {"compression": "cost_model_test_int4"}, "sgd", 0, 2),
+    ("gradient_allreduce", {"compression": "absmax4_test"}, "sgd", 0, 1),
+    ("decentralized", {"compression": "absmax4_test"}, "sgd", 0, 2),
 ]
 
 
