@@ -63,7 +63,7 @@ import time
 import yaml
 
 BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd")
-MODELS = ("mlp25m", "cnn", "mlp_small")
+MODELS = ("mlp25m", "cnn", "mlp_small", "resnet18", "vgg16")
 OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
 STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
 STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
@@ -197,6 +197,9 @@ def make_model(name, seed=0):
                              nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
                              nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                              nn.Linear(128, 10)), (3, 32, 32)
+    if name in ("resnet18", "vgg16"):  # real architectures at CIFAR size (bagua_lite.models): 11.2M / 15.0M
+        from . import models
+        return getattr(models, name)(num_classes=10, cifar=True), (3, 32, 32)
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
