@@ -1085,3 +1085,27 @@ def test_broadcast_buffers_like_ddp(clusters, name):
         assert err < 1e-6, f"rank {r}: buffers are not rank 0's updated by this rank's batch ({err})"
     spreads = [spread for _, spread in clusters.get(P).run(_r_broadcast_buffers, name, False, timeout=60)]
     assert max(spreads) > 1e-3, "without broadcast_buffers the ranks' statistics should differ"
+
+
+def _r_out_of_step(rank, P):
+    net = _mlp()
+    opt = _sgd(net)
+    model = bagua_lite.DistributedModel(net, opt, build("local_sgd", period=3), bucket_size_mb=0.01)
+    try:
+        for s in range(7):
+            _step(model, opt, *_batch(rank, s))
+            if rank == P - 1 and s == 1:  # its step count jumps ahead (a resume from another step's checkpoint)
+                model.algorithm.step += 1
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        model.close()
+    return None
+
+
+@pytest.mark.parametrize("P", (2, 3))
+def test_local_sgd_ranks_out_of_step_raise_on_every_rank(clusters, P):
+    """local_sgd averages when a rank's own step count says so; counts that disagree (one rank resumed from
+    another step) used to pair averages of different steps silently. Now every rank raises."""
+    for r, msg in enumerate(clusters.get(P).run(_r_out_of_step, timeout=60)):
+        assert msg is not None and "out of step" in msg and "range from 3 to 6" in msg, (r, msg)
