@@ -691,9 +691,25 @@ def projection_report(records, world_sizes, out=sys.stdout):
         for p in proj:
             p.update(network=network, model=model)
             result.append(p)
-            print("  " + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in p.items()
-                                   if k not in ("network", "model")), file=out)
+        _projection_table(proj, out)
     return result
+
+
+def _projection_table(proj, out):
+    """Algorithms as rows, cluster sizes as columns, 's/step (speed-up over DDP)' per cell; the raw
+    figures (comm, bytes, auto's pick) stay in results.json."""
+    sizes = sorted({p["world_size"] for p in proj})
+    rows = {}
+    for p in proj:
+        cell = f"{p['step_s']:.3g} ({p['speedup_vs_ddp']:.2f}x)"
+        if p.get("picked"):
+            cell += f" {p['picked'].split('(')[0]}"
+        rows.setdefault(p["algorithm"], {})[p["world_size"]] = cell
+    width = max([len(a) for a in rows] + [9])
+    cols = {P: max([len(r.get(P, "")) for r in rows.values()] + [len(f"P={P}")]) for P in sizes}
+    print("  " + "algorithm".ljust(width) + "".join(f"  {f'P={P}':>{cols[P]}}" for P in sizes), file=out)
+    for alg, cells in rows.items():
+        print("  " + alg.ljust(width) + "".join(f"  {cells.get(P, '-'):>{cols[P]}}" for P in sizes), file=out)
 
 
 def write_outputs(rows, projections, out_dir):
