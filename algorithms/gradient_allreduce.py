@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import torch
 
-from bagua_lite import comm, compressors
+from bagua_lite import _C, comm, compressors
 from bagua_lite._groups import new_group_like
 from bagua_lite.algorithm import Algorithm, fill_slot, register
 
@@ -49,7 +49,15 @@ class GradientAllReduce(Algorithm):
         g = new_group_like(model.process_group, leaders)
         self.inter = g if dist.get_rank() in leaders else None
 
+    def _cast_allreduce(self):
+        """fp16 without error feedback and not hierarchical: an allreduce of the half-precision bucket
+        itself (summing in fp16 what was pre-scaled by 1/P, as torch's fp16_compress_hook), the same bytes
+        as the compressed all-to-all + allgather, in one pipelined ring."""
+        return self.compression == "fp16" and not self.hierarchical
+
     def on_gradient(self, bucket, position, grad):
+        if self._cast_allreduce():
+            return fill_slot(bucket.view(position), grad, 1.0 / self.world_size)
         if self.hierarchical or self.compression != "none":
             return super().on_gradient(bucket, position, grad)
         # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
@@ -61,6 +69,15 @@ class GradientAllReduce(Algorithm):
             return [self._hierarchical_allreduce]
         if self.compression == "none":
             return [self.native.AllreduceOp(self.process_group, False)]  # pre-scaled in on_gradient
+        if self._cast_allreduce():
+            half, pg, P = torch.empty(bucket.numel, dtype=torch.float16), self.process_group, self.world_size
+
+            def fp16_allreduce(flat):
+                half.copy_(flat)
+                dist.all_reduce(half, group=pg)
+                flat.copy_(half)
+                _C.count_sent(2 * (P - 1) * half.nbytes // P, 2 * (P - 1))  # what the ring sends
+            return [fp16_allreduce]
         residual = self.residuals[bucket.index]
         if self.compressor.native:
             return [self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]

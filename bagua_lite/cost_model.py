@@ -39,8 +39,9 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        option, elements; default 0). Local: three skinny matmuls (M Q, M^T P,
                        P Q^T: 2 n r flops each) at max(flop rate, one pass over M), and four passes
                        for error feedback. One bucket (the benchmark runs it so): no overlap.
-``gradient_allreduce`` compression none: ring(m), T_ring(m); local: the divide.
-                       Any compressor (csrc/collectives/compressed_allreduce.cpp): all-to-all
+``gradient_allreduce`` compression none: ring(m), T_ring(m); local: the divide. fp16: as ddp_fp16 (a ring
+                       allreduce of the half-precision bucket, pre-scaled by 1/P: ring(2n), T_ring(2n)).
+                       Any other compressor (csrc/collectives/compressed_allreduce.cpp): all-to-all
                        of compressed chunks, rank i sends sum_{j != i} wire(c_j); then allgather
                        of its recompressed chunk padded to wire(c_0): (P-1) wire(c_0). Busiest rank:
                        the one with the smallest chunk (rank P-1). Time: (P-1) alpha for the
@@ -591,7 +592,8 @@ def _bucket_comm(name, options, P, n, e, rank, index=None):
     if name == "ddp" or (name == "gradient_allreduce" and options.get("compression", "none") == "none"):
         b = _ring(m, P)
         return b, 2 * (P - 1), b
-    if name == "ddp_fp16":
+    if name == "ddp_fp16" or (name == "gradient_allreduce" and options.get("compression") == "fp16"
+                              and not options.get("hierarchical", False)):  # a ring allreduce of the fp16 bucket
         b = _ring(2 * n, P)
         return b, 2 * (P - 1), b
     if name == "ddp_powersgd":
@@ -671,7 +673,8 @@ def _local_s(name, options, P, n, machine, index=None):
     merge = machine.merge_s_per_elem or 4 * topk
     if name == "ddp":
         return n * add
-    if name == "ddp_fp16":
+    if name == "ddp_fp16" or (name == "gradient_allreduce" and options.get("compression") == "fp16"
+                              and not options.get("hierarchical", False)):
         return n * (machine.fp16_s_per_elem + add)
     if name == "ddp_powersgd":
         r, p_elems, q_elems, _ = _powersgd_sizes(options, n)
