@@ -12,6 +12,7 @@ One step, as data (see DESIGN.md):
 Buckets are submitted in one fixed order on every rank, so collectives always match across ranks.
 """
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ from typing import Union
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 
 from . import _C, comm, runtime
 from ._groups import resolve_group
@@ -118,7 +120,7 @@ class DistributedModel(torch.nn.Module):
             # parameters get no gradient at all still runs every bucket (and its peers do not hang).
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._on_output_grad)
+                    t.register_hook(functools.partial(self._on_output_grad, node=t.grad_fn))
         return out
 
     def _sync_buffers(self):
@@ -135,10 +137,33 @@ class DistributedModel(torch.nn.Module):
                 for b, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                     b.copy_(synced)
 
-    def _on_output_grad(self, grad):
-        if self._sync_enabled and self.algorithm.sync_gradients():
+    def _on_output_grad(self, grad, node=None):
+        if self._sync_enabled and self.algorithm.sync_gradients() and self._accumulates(node):
             self._start_backward()
         return grad
+
+    def _accumulates(self, node) -> bool:
+        """False during ``torch.autograd.grad`` (gradient penalties, saliency) and ``backward(inputs=...)``
+        that leaves our parameters out: like DDP they start no communication round and leave ``.grad``
+        alone. A ``backward()`` starts one, even when none of this rank's parameters takes part in it (they
+        contribute zeros, so the peers' collectives complete)."""
+        try:
+            if any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in self._params):
+                return True
+        except RuntimeError:  # torch refuses to answer for a leaf during autograd.grad()
+            return False
+        # No parameter accumulates: either none is in this graph (a backward() this rank's parameters sit
+        # out: run the round) or the backward skips them (autograd.grad w.r.t. inputs: do not).
+        mine, seen, stack = {id(p) for p in self._params}, set(), [node]
+        while stack:
+            n = stack.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            if id(getattr(n, "variable", None)) in mine:
+                return False
+            stack.extend(f for f, _ in n.next_functions)
+        return True
 
     @contextlib.contextmanager
     def no_sync(self):

@@ -1109,3 +1109,29 @@ def test_local_sgd_ranks_out_of_step_raise_on_every_rank(clusters, P):
     another step) used to pair averages of different steps silently. Now every rank raises."""
     for r, msg in enumerate(clusters.get(P).run(_r_out_of_step, timeout=60)):
         assert msg is not None and "out of step" in msg and "range from 3 to 6" in msg, (r, msg)
+
+
+def _r_autograd_grad(rank, P, name):
+    net = _mlp()
+    opt = _sgd(net)
+    model = bagua_lite.DistributedModel(net, opt, build(name), bucket_size_mb=0.01)
+    untouched = True
+    for s in range(4):
+        x, y = _batch(rank, s)
+        if rank == 0:  # a gradient penalty / saliency map on one rank only, before the real step
+            xr = x.clone().requires_grad_(True)
+            (gx,) = torch.autograd.grad(model(xr).pow(2).sum(), xr)
+            (gw,) = torch.autograd.grad(model(xr).sum(), next(net.parameters()))  # w.r.t. a parameter too
+            untouched &= all(p.grad is None for p in net.parameters()) and gx.abs().sum() > 0
+        _step(model, opt, x, y)
+    model.close()
+    return untouched, _sha(_flat(net))
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "gtopk"])
+def test_autograd_grad_on_one_rank_starts_no_round(clusters, name):
+    """As DDP: torch.autograd.grad (w.r.t. inputs or parameters) communicates nothing and leaves .grad
+    alone; it used to start a full round on that rank only, and the replicas diverged."""
+    res = clusters.get(3).run(_r_autograd_grad, name, timeout=60)
+    assert all(untouched for untouched, _ in res), res
+    assert len({sha for _, sha in res}) == 1, "replicas differ"
