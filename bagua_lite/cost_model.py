@@ -583,6 +583,12 @@ def _powersgd_plan(o, n, index):
     return r, [], n
 
 
+def _fp16_ring(name, options) -> bool:
+    """A ring allreduce of the half-precision bucket: torch's fp16 hook, and gradient_allreduce's fp16."""
+    return name == "ddp_fp16" or (name == "gradient_allreduce" and options.get("compression") == "fp16"
+                                  and not options.get("hierarchical", False))
+
+
 def _bucket_comm(name, options, P, n, e, rank, index=None):
     """(bytes sent by ``rank``, sequential latency terms, transfer bytes on the critical path) of one
     bucket's collective(s) in one step (``index``: the bucket's position, for powersgd's shapes)."""
@@ -592,8 +598,7 @@ def _bucket_comm(name, options, P, n, e, rank, index=None):
     if name == "ddp" or (name == "gradient_allreduce" and options.get("compression", "none") == "none"):
         b = _ring(m, P)
         return b, 2 * (P - 1), b
-    if name == "ddp_fp16" or (name == "gradient_allreduce" and options.get("compression") == "fp16"
-                              and not options.get("hierarchical", False)):  # a ring allreduce of the fp16 bucket
+    if _fp16_ring(name, options):
         b = _ring(2 * n, P)
         return b, 2 * (P - 1), b
     if name == "ddp_powersgd":
@@ -673,8 +678,7 @@ def _local_s(name, options, P, n, machine, index=None):
     merge = machine.merge_s_per_elem or 4 * topk
     if name == "ddp":
         return n * add
-    if name == "ddp_fp16" or (name == "gradient_allreduce" and options.get("compression") == "fp16"
-                              and not options.get("hierarchical", False)):
+    if _fp16_ring(name, options):
         return n * (machine.fp16_s_per_elem + add)
     if name == "ddp_powersgd":
         r, p_elems, q_elems, _ = _powersgd_sizes(options, n)
