@@ -80,6 +80,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dense"), py::arg("values"), py::arg("indices"), release());
   m.def("ef_remove_", [](at::Tensor r, const at::Tensor& i) { kern::ef_remove_(r, i); }, py::arg("residual"),
         py::arg("indices"), release());
+  m.def("all_finite", &kern::all_finite, py::arg("x"), release());
+  m.def("scale_checked",
+        [](at::Tensor dst, std::optional<at::Tensor> src, double scale) {
+          return kern::scale_checked(dst, src ? *src : at::Tensor(), scale);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, release());
+  m.def("add_checked", [](at::Tensor out, const at::Tensor& a, const at::Tensor& b) { return kern::add_checked(out, a, b); },
+        py::arg("out"), py::arg("a"), py::arg("b"), release());
 
   // ---- collectives ----
   m.def("allreduce", [](const bl::ProcessGroupPtr& pg, at::Tensor t, bool avg) { coll::allreduce(pg, t, avg); },
@@ -145,6 +153,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            },
            py::arg("bucket_id"), py::arg("bucket"), py::arg("ops"))
       .def("wait_all", &eng::Engine::wait_all, release())
+      .def("wait_all_for", &eng::Engine::wait_all_for, py::arg("seconds"), release())
+      .def("abandon",
+           [](std::shared_ptr<eng::Engine> self) {
+             new std::shared_ptr<eng::Engine>(self);  // never freed: the detached worker still uses it
+             py::gil_scoped_release no_gil;
+             self->abandon();
+           })
       .def("shutdown", &eng::Engine::shutdown, release())
       .def("stats",
            [](eng::Engine& e) {

@@ -78,6 +78,25 @@ void Engine::wait_all() {
   }
 }
 
+bool Engine::wait_all_for(double seconds) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!cv_idle_.wait_for(lock, std::chrono::duration<double>(seconds), [this] { return in_flight_ == 0; }))
+      return false;
+  }
+  wait_all();
+  return true;
+}
+
+void Engine::abandon() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_work_.notify_all();
+  if (worker_.joinable()) worker_.detach();
+}
+
 EngineStats Engine::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   return stats_;

@@ -92,6 +92,12 @@ class Engine {
   // Block until every submitted bucket has finished. Rethrows the first op error (with the bucket and
   // op that raised it); after an error the queue is drained without running further ops.
   void wait_all();
+  // wait_all for at most `seconds`: false if buckets are still in flight (nothing rethrown then).
+  bool wait_all_for(double seconds);
+  // Give up on work that will not finish (a peer failed): stop taking tasks and detach the worker,
+  // which may stay blocked in a collective until the process group's timeout. The caller must keep the
+  // engine alive (the binding leaks one reference).
+  void abandon();
   EngineStats stats() const;
   void reset_stats();
   // Finish queued work and join the worker. Call without holding the GIL if ops may need it.

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "common.h"
@@ -216,6 +217,87 @@ void ef_remove_(at::Tensor& residual, const at::Tensor& indices) {
       r[ip[j]] = scalar_t(0);
     }
   });
+}
+
+namespace {
+// inf and NaN are the floats whose exponent bits are all ones. An OR of per-element compare masks is
+// a reduction the compiler vectorises with plain SSE2 (a float sum would not be, without fast-math).
+inline uint32_t f32_nonfinite_mask(uint32_t bits) {
+  return 0u - static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+}
+inline bool f32_block_finite(const float* x, int64_t n) {
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, x + i, 4);
+    bad |= f32_nonfinite_mask(bits);
+  }
+  return bad == 0;
+}
+constexpr int64_t kBlock = 1 << 16;
+
+bool fast_f32(const at::Tensor& t) { return t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(); }
+}  // namespace
+
+bool all_finite(const at::Tensor& x) {
+  if (!fast_f32(x)) return at::isfinite(x).all().item<bool>();
+  const float* p = x.const_data_ptr<float>();
+  const int64_t n = x.numel();
+  for (int64_t i = 0; i < n; i += kBlock)  // blocks: stop early at the first non-finite block
+    if (!f32_block_finite(p + i, std::min(kBlock, n - i))) return false;
+  return true;
+}
+
+bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
+  if (!src.defined()) {
+    dst.zero_();
+    return true;
+  }
+  if (!fast_f32(dst) || !fast_f32(src)) {
+    bool ok = all_finite(src);
+    if (src.data_ptr() == dst.data_ptr()) {
+      if (scale != 1.0) dst.mul_(scale);
+    } else if (scale != 1.0) {
+      at::mul_out(dst, src.view_as(dst), scale);
+    } else {
+      dst.copy_(src.view_as(dst));
+    }
+    return ok;
+  }
+  TORCH_CHECK(dst.numel() == src.numel(), "scale_checked: dst has ", dst.numel(), " elements, src ", src.numel());
+  const float* s = src.const_data_ptr<float>();
+  float* d = dst.data_ptr<float>();
+  const float f = static_cast<float>(scale);
+  const int64_t n = dst.numel();
+  // One loop: scale and fold the exponent bits of the source into an unsigned max (vectorised).
+  if (s == d && f == 1.0f) return all_finite(src);
+  uint32_t bad = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, s + i, 4);
+    bad |= f32_nonfinite_mask(bits);
+    d[i] = s[i] * f;
+  }
+  return bad == 0;
+}
+
+bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add_checked: sizes differ (out ", out.numel(),
+              ", a ", a.numel(), ", b ", b.numel(), ")");
+  if (!all_finite(b)) {
+    if (out.data_ptr() != a.data_ptr()) out.copy_(a.view_as(out));
+    return false;
+  }
+  if (fast_f32(out) && fast_f32(a) && fast_f32(b)) {
+    const float* x = a.const_data_ptr<float>();
+    const float* y = b.const_data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    const int64_t n = out.numel();
+    for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+  } else {
+    at::add_out(out, a.view_as(out), b.view_as(out));
+  }
+  return true;
 }
 
 }  // namespace kernels

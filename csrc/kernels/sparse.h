@@ -33,6 +33,16 @@ void scatter_add_(at::Tensor& dense, const at::Tensor& values, const at::Tensor&
 // Error feedback: residual already holds (gradient + old residual); remove the entries that were sent.
 void ef_remove_(at::Tensor& residual, const at::Tensor& indices);
 
+// Non-finite detection without a tensor-sized temporary (float32 CPU: one vectorised pass over the
+// exponent bits; other dtypes/devices fall back to ATen).
+// all_finite(x): no inf and no NaN in x.
+bool all_finite(const at::Tensor& x);
+// dst = src * scale in one pass (src may be dst itself; src undefined: dst = 0) and whether src was all
+// finite. Used where a gradient goes into its bucket slot anyway, so the check costs no extra pass.
+bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale);
+// out = a + b when b is all finite (returns true); otherwise out = a and returns false. out may alias a.
+bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+
 // Check values/indices form a valid sparse argument for a tensor of `numel` elements (clear errors).
 void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn);
 
