@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bagua_lite._groups import group_timeout
-from bagua_lite.algorithm import Algorithm, fill_slot, register
+from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
 
@@ -78,7 +78,7 @@ class AsyncModelAverage(Algorithm):
         return self.step < self.warmup_steps
 
     def on_gradient(self, bucket, position, grad):
-        fill_slot(bucket.view(position), grad, 1.0 / self.world_size)  # the allreduce sums
+        self.fill(bucket, position, grad, 1.0 / self.world_size)  # the allreduce sums
 
     def bucket_ops(self, bucket):
         return [self.native.AllreduceOp(self.process_group, False)]

@@ -17,7 +17,7 @@ import torch
 
 from bagua_lite import _C, comm, compressors
 from bagua_lite._groups import new_group_like
-from bagua_lite.algorithm import Algorithm, fill_slot, register
+from bagua_lite.algorithm import Algorithm, register
 
 
 @register("gradient_allreduce")
@@ -34,6 +34,7 @@ class GradientAllReduce(Algorithm):
     def init(self, model):
         feedback = self.compressor is not None and self.compressor.error_feedback
         self.residuals = [torch.zeros_like(b.flat) if feedback else None for b in model.buckets]
+        self._backups = [torch.empty_like(b.flat) if feedback else None for b in model.buckets]
         if not self.hierarchical:
             return
         n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
@@ -56,17 +57,19 @@ class GradientAllReduce(Algorithm):
         return self.compression == "fp16" and not self.hierarchical
 
     def on_gradient(self, bucket, position, grad):
-        if self._cast_allreduce():
-            return fill_slot(bucket.view(position), grad, 1.0 / self.world_size)
-        if self.hierarchical or self.compression != "none":
-            return super().on_gradient(bucket, position, grad)
-        # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
-        # extra pass over the bucket (DDP does the same; the result is sum_i(g_i / P)).
-        fill_slot(bucket.view(position), grad, 1.0 / self.world_size)
+        if self._cast_allreduce() or (not self.hierarchical and self.compression == "none"):
+            # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
+            # extra pass over the bucket (DDP does the same; the result is sum_i(g_i / P)).
+            return self.fill(bucket, position, grad, 1.0 / self.world_size)
+        return super().on_gradient(bucket, position, grad)
 
     def bucket_ops(self, bucket):
         if self.hierarchical:
-            return [self._hierarchical_allreduce]
+            def hierarchical(flat, b=bucket.index):
+                if b in self.nonfinite_buckets:  # discarded on every rank anyway; compressors reject NaN
+                    flat.zero_()
+                self._hierarchical_allreduce(flat)
+            return [hierarchical]
         if self.compression == "none":
             return [self.native.AllreduceOp(self.process_group, False)]  # pre-scaled in on_gradient
         if self._cast_allreduce():
@@ -78,13 +81,27 @@ class GradientAllReduce(Algorithm):
                 flat.copy_(half)
                 _C.count_sent(2 * (P - 1) * half.nbytes // P, 2 * (P - 1))  # what the ring sends
             return [fp16_allreduce]
-        residual = self.residuals[bucket.index]
+        residual, backup = self.residuals[bucket.index], self._backups[bucket.index]
+
+        def guard(flat, b=bucket.index):
+            """Before the compressor: a non-finite gradient on this rank travels as zeros (quantizers
+            reject NaN; the round is discarded on every rank anyway), and error feedback's residual is kept
+            as it was, in case any rank's gradient was non-finite."""
+            if b in self.nonfinite_buckets:
+                flat.zero_()
+            if backup is not None:
+                backup.copy_(residual)
         if self.compressor.native:
-            return [self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]
+            return [guard, self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]
 
         def compressed_allreduce(flat):  # a user's Python compressor
             comm.compressed_allreduce(flat, self.compressor, group=self.process_group, residual=residual)
-        return [compressed_allreduce]
+        return [guard, compressed_allreduce]
+
+    def discard_round(self):
+        for residual, backup in zip(self.residuals, self._backups):
+            if backup is not None:
+                residual.copy_(backup)
 
     def state_dict(self):
         return {"step": self.step, "residuals": [r.clone() for r in self.residuals if r is not None]}

@@ -90,12 +90,17 @@ class PowerSGD(Algorithm):
             self.qs.append(wire[:n_q])
             self.p_bufs.append(p_all)
             self.wires.append(wire)
+        self._backups = [(torch.empty_like(e), torch.empty_like(q)) for e, q in zip(self.residuals, self.qs)]
 
     def bucket_ops(self, bucket):
         def powersgd(flat, b=bucket.index):
             if self.step < self.warmup_steps:
                 comm.allreduce(flat, "avg", group=self.process_group)  # warm-up: dense SGD, no residuals
             else:
+                if b in self.nonfinite_buckets:  # the round is discarded on every rank: travel as zeros
+                    flat.zero_()
+                for src, dst in zip((self.residuals[b], self.qs[b]), self._backups[b]):
+                    dst.copy_(src)  # kept until every rank's gradient is known to be finite
                 self.compress_and_average(b)
         powersgd.__name__ = f"powersgd_bucket{bucket.index}"
         return [powersgd]
@@ -118,6 +123,12 @@ class PowerSGD(Algorithm):
             slot.copy_(buf)
         for g, m, p, q in mats:
             torch.mm(p, q.t(), out=g)                      # G <- P^ Q^T
+
+    def discard_round(self):
+        if self.step >= self.warmup_steps:
+            for b, (e, q) in enumerate(self._backups):
+                self.residuals[b].copy_(e)
+                self.qs[b].copy_(q)
 
     def state_dict(self):
         return {"step": self.step, "residuals": [e.clone() for e in self.residuals], "qs": [q.clone() for q in self.qs]}

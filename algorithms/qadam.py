@@ -26,7 +26,7 @@ model diverges with it. Use it where every coordinate's v is well away from 0.
 import torch
 
 from bagua_lite import comm, compressors
-from bagua_lite.algorithm import Algorithm, fill_slot, register
+from bagua_lite.algorithm import Algorithm, register
 
 
 @register("qadam")
@@ -59,6 +59,7 @@ class QAdam(Algorithm):
         mine = {p for b in model.buckets for p in b.params}
         self._groups = {p: g for g in opt.param_groups for p in g["params"] if p in mine}
         self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]
+        self._backups = [torch.empty_like(b.flat) for b in model.buckets]
         # sqrt(v_hat) + eps per parameter, made once at the freeze (v is constant afterwards), and one
         # scratch buffer for the step: nothing of the model's size is allocated per step
         self._denoms = {}
@@ -78,15 +79,27 @@ class QAdam(Algorithm):
             def compressed(flat):  # a user's Python compressor
                 comm.compressed_allreduce(flat, self.compressor, group=pg, residual=residual)
 
-        def qadam_allreduce(flat):  # Op.run releases the GIL for the collective
-            (dense if self.step < self.warmup_steps else compressed)(flat)
+        backup = self._backups[bucket.index]
+
+        def qadam_allreduce(flat, b=bucket.index):  # Op.run releases the GIL for the collective
+            if self.step < self.warmup_steps:
+                return dense(flat)
+            if b in self.nonfinite_buckets:  # the round is discarded on every rank: travel as zeros
+                flat.zero_()
+            backup.copy_(residual)  # error feedback's residual as before the round, if it is discarded
+            compressed(flat)
         return [qadam_allreduce]
+
+    def discard_round(self):
+        if self.step >= self.warmup_steps:
+            for residual, backup in zip(self.residuals, self._backups):
+                residual.copy_(backup)
 
     def on_gradient(self, bucket, position, grad):
         if self.step < self.warmup_steps:  # gradient averaging, as gradient_allreduce
-            return fill_slot(bucket.view(position), grad, 1.0 / self.world_size)
+            return self.fill(bucket, position, grad, 1.0 / self.world_size)
         p, m = bucket.params[position], bucket.view(position)
-        fill_slot(m, grad)  # g (zeros if this rank got none)
+        self.fill(bucket, position, grad)  # g (zeros if this rank got none)
         group = self._groups.get(p)
         if group is None:  # not in the optimizer: its gradient travels as it is
             return

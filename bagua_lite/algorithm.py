@@ -23,6 +23,12 @@ Hooks, in the order of one training step:
 ``before_forward()``       at the start of every forward
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
 ``after_backward()``       after all buckets of a synchronised backward finished
+``commit_round()`` / ``discard_round()``  after every synchronised backward, once the ranks agreed whether
+                           any rank's gradient was non-finite: commit the state the bucket ops produced
+                           (error-feedback residuals, momenta), or restore it as it was before the step
+                           (the framework then makes every rank's ``.grad`` NaN, so a loss scaler skips the
+                           step, and without one ``optimizer.step()`` raises). A rank's own non-finite
+                           gradient is recorded by :meth:`Algorithm.fill` (or ``nonfinite_buckets.add``)
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
@@ -41,6 +47,8 @@ from typing import Dict, List, Type
 
 import torch
 
+from . import _C
+
 _REGISTRY: Dict[str, Type["Algorithm"]] = {}
 MAX_INT_OPTION = 2 ** 31  # a period or step count beyond this is a typo (and overflows int32 counters)
 
@@ -56,6 +64,8 @@ class Algorithm:
     def __init__(self):
         self.step = 0
         self.model = None
+        #: buckets whose incoming gradient held inf/NaN on this rank in the current round
+        self.nonfinite_buckets = set()
 
     def __init_subclass__(cls, **kwargs):
         """Record the options of every instance, however it is made (``build(...)`` or ``GTopK(...)``), so
@@ -99,7 +109,15 @@ class Algorithm:
         complete its ops run on the flat buffer. A relaxation that keeps its own accumulator (error
         feedback) can add ``grad`` there instead and save a pass over the model.
         """
-        fill_slot(bucket.view(position), grad)
+        self.fill(bucket, position, grad)
+
+    def fill(self, bucket, position: int, grad, scale: float = 1.0) -> bool:
+        """``fill_slot`` that also checks ``grad`` for inf/NaN in the same pass and records the bucket in
+        ``nonfinite_buckets`` if so. Returns whether ``grad`` was finite."""
+        if _C.scale_checked(bucket.view(position), grad, scale):
+            return True
+        self.nonfinite_buckets.add(bucket.index)
+        return False
 
     @property
     def cycle(self) -> int:
@@ -118,6 +136,13 @@ class Algorithm:
 
     def after_step(self) -> None:
         pass
+
+    def commit_round(self) -> None:
+        """Every rank's gradient was finite: keep the state this round's bucket ops produced."""
+
+    def discard_round(self) -> None:
+        """Some rank's gradient was non-finite: put the state back as it was before this round's bucket
+        ops (they ran on every rank, the bad rank's gradient replaced by zeros where it could crash them)."""
 
     def close(self) -> None:
         """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""
@@ -154,7 +179,8 @@ class Algorithm:
 
 
 def fill_slot(view, grad, scale: float = 1.0) -> None:
-    """Put ``grad * scale`` into a bucket slot in one pass (``grad`` None: zeros; ``grad`` may be the slot)."""
+    """Put ``grad * scale`` into a bucket slot in one pass (``grad`` None: zeros; ``grad`` may be the slot).
+    :meth:`Algorithm.fill` does the same and checks for inf/NaN on the way."""
     if grad is None:
         view.zero_()
     elif grad.data_ptr() == view.data_ptr():

@@ -7,8 +7,13 @@ One step, as data (see DESIGN.md):
    whose worker thread runs that bucket's ops while autograd goes on with earlier layers.
 3. end of backward (an autograd engine callback): buckets not yet handed over (parameters that got no
    gradient this step are zero-filled) are submitted, the scheduler waits for the engine, results are
-   in ``.grad``; ``algorithm.after_backward()``.
+   in ``.grad``; the ranks agree (one tiny all_gather) whether any rank's gradient held inf/NaN: if not,
+   ``algorithm.commit_round()``; if so, ``algorithm.discard_round()`` and every rank's ``.grad`` becomes
+   NaN (a loss scaler skips the step; without one ``optimizer.step()`` raises, naming the ranks);
+   ``algorithm.after_backward()``.
 4. ``optimizer.step()``, then ``algorithm.after_step()`` (a step post hook on the optimizer).
+A synchronised backward also starts with one tiny all_gather of every rank's step count, so a rank that
+took a step more or fewer than the others is reported (on every rank) before any bucket travels.
 Buckets are submitted in one fixed order on every rank, so collectives always match across ranks.
 """
 import contextlib
@@ -24,9 +29,13 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 
 from . import _C, comm, runtime
+from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
 from .algorithm import Algorithm, build
 from .bucket import Bucket, plan_buckets, plan_model_buckets
+
+
+_BITS = 62  # parameters per int64 word of the used-parameter bitmap
 
 
 def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
@@ -90,11 +99,18 @@ class DistributedModel(torch.nn.Module):
         if any(p.device.type == "cpu" for p in self._params):
             runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_model_buckets(module, self.bucket_size_mb))]
+        self._index = {p: i for i, p in enumerate(self._params)}
+        self._used_words = max(1, -(-len(self._params) // _BITS))
         self._slot = {}  # param -> (bucket index, position)
         for b in self.buckets:
             for j, p in enumerate(b.params):
                 self._slot[p] = (b.index, j)
         self._engine = _C.Engine()
+        self._failfast = FailFast(self.rank)
+        self._engine_abandoned = False
+        self._nonfinite_error = None
+        # before the algorithm's own step hooks (registered in init): a skipped round must stop them too
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
         self.algorithm.model = self
         self.algorithm.init(self)
         for b in self.buckets:
@@ -106,11 +122,14 @@ class DistributedModel(torch.nn.Module):
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._next_bucket = 0
         self.timings = {"backward_wait_s": 0.0}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
 
     # ---- user-facing ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self._failfast.failed is not None:
+            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed}); "
+                               f"its ranks are out of step for good: restart from the last checkpoint")
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
             self._sync_buffers()
         self.algorithm.before_forward()
@@ -183,7 +202,8 @@ class DistributedModel(torch.nn.Module):
         try:
             self.algorithm.close()
         finally:
-            self._engine.shutdown()
+            if not self._engine_abandoned:
+                self._engine.shutdown()
 
     def algorithm_state_dict(self) -> dict:
         return self.algorithm.state_dict()
@@ -234,8 +254,73 @@ class DistributedModel(torch.nn.Module):
 
     def _start_backward(self):
         if not self._backward_active:
+            self._check_in_step()
             self._backward_active = True
+            self._nonfinite_error = None
+            self.algorithm.nonfinite_buckets.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _gather_ints(self, values):
+        """Every rank's list of ints (one all_gather of len(values) int64 per rank), as a list per rank."""
+        if self.world_size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        try:
+            self._failfast.wait_work(dist.all_gather_single(out, mine, group=self.process_group, async_op=True))
+        except PeerFailedError:
+            raise
+        except RuntimeError as e:
+            self._failfast.announce(f"a step-control all_gather failed: {e}")
+            raise
+        return out.view(self.world_size, len(values)).tolist()
+
+    def _check_in_step(self):
+        """Before any bucket travels: do all ranks enter this round at the same step count?"""
+        steps = [r[0] for r in self._gather_ints([self.algorithm.step])]
+        if min(steps) != max(steps):
+            by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+            raise RuntimeError(f"bagua_lite: ranks are out of step: a synchronised backward started at different "
+                               f"optimizer step counts ({by_rank}; this is rank {self.rank}). Every rank must "
+                               f"call backward() and optimizer.step() the same number of times (a rank took an "
+                               f"extra step or skipped one); nothing was exchanged in this round")
+
+    def _agree_after_round(self, unused):
+        """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the
+        round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
+        DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
+        bad = self.algorithm.nonfinite_buckets
+        words = [(1 << _BITS) - 1] * self._used_words  # bit set: used on this rank
+        for i in unused:
+            words[i // _BITS] &= ~(1 << (i % _BITS))
+        rows = self._gather_ints([min(bad) if bad else -1] + words)
+        firsts = [row[0] for row in rows]
+        if any(w != (1 << _BITS) - 1 for row in rows for w in row[1:]):  # some rank left some parameter out
+            used = [0] * self._used_words
+            for row in rows:
+                used = [a | b for a, b in zip(used, row[1:])]
+            for i, p in enumerate(self._params):
+                if not used[i // _BITS] >> (i % _BITS) & 1:
+                    p.grad = None
+        ranks = [r for r, b in enumerate(firsts) if b >= 0]
+        if not ranks:
+            self.algorithm.commit_round()
+            return
+        self.algorithm.discard_round()
+        with torch.no_grad():
+            for b in self.buckets:
+                b.flat.fill_(float("nan"))
+        where = ", ".join(f"rank {r} (bucket {firsts[r]} first)" for r in ranks)
+        self._nonfinite_error = (
+            f"bagua_lite: non-finite gradient (inf or NaN) at step {self.algorithm.step} on {where}; every rank "
+            f"skipped this round: .grad is NaN on all ranks and {self.algorithm.name}'s state (residuals, "
+            f"momenta) is as before it. A loss scaler (torch.amp.GradScaler) skips such steps; without one, "
+            f"optimizer.step() refuses to apply it (this is rank {self.rank}). Look for what produced the "
+            f"inf/NaN: learning rate, loss, inputs")
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self._nonfinite_error is not None:
+            raise FloatingPointError(self._nonfinite_error)
 
     def _hand_over(self, b, j, p):
         """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot."""
@@ -251,22 +336,33 @@ class DistributedModel(torch.nn.Module):
 
     def _finish_backward(self):
         # Parameters without a gradient this step contribute zeros, so every rank runs every bucket.
+        unused = []
         for b in self.buckets[self._next_bucket:]:
             for j, p in enumerate(b.params):
                 if not self._marked[b.index][j]:
+                    if p.grad is None:
+                        unused.append(self._index[p])
                     self._hand_over(b, j, p)  # p.grad is None, or what no_sync steps accumulated
                     self._marked[b.index][j] = True
             self._ready[b.index] = len(b.params)
         self._submit_ready()
         t0 = time.perf_counter()
         try:
-            self._engine.wait_all()
+            self._failfast.wait_engine(self._engine)
+        except PeerFailedError:
+            self._engine.abandon()  # its worker may sit in a collective until the group's timeout
+            self._engine_abandoned = True
+            raise
+        except RuntimeError as e:  # this rank's bucket op failed (or its collective, with a peer's death)
+            self._failfast.announce(str(e))
+            raise
         finally:
             self.timings["backward_wait_s"] += time.perf_counter() - t0
             self._backward_active = False
             self._next_bucket = 0
             self._ready = [0] * len(self.buckets)
             self._marked = [[False] * len(b.params) for b in self.buckets]
+        self._agree_after_round(unused)
         self.algorithm.after_backward()
 
     def _after_step(self):

@@ -1,0 +1,225 @@
+"""Non-finite gradients on one rank, and ranks out of step, for every algorithm that averages gradients.
+
+A rank whose gradient holds inf/NaN must not crash its peers or pollute state: the ranks agree on it in
+the same round, every rank's ``.grad`` comes out NaN (so ``torch.amp.GradScaler`` skips the step on every
+rank), error-feedback residuals / momenta / PowerSGD's Q stay as they were, and without a scaler
+``optimizer.step()`` raises the same error on every rank, naming the bad rank. Checked against the state
+before the step, bit for bit, at odd and even P.
+"""
+import hashlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite.algorithms import build
+
+D_IN, HIDDEN, CLASSES = 12, 32, 5
+BAD_STEP, BAD_RANK, STEPS = 3, 1, 6
+
+# (algorithm, options, optimizer): every gradient-averaging path, with state where it has one.
+CASES = {
+    "gradient_allreduce": ("gradient_allreduce", {}, "sgd"),
+    "fp16": ("gradient_allreduce", {"compression": "fp16"}, "sgd"),
+    "bytegrad": ("gradient_allreduce", {"compression": "minmax_uint8"}, "sgd"),
+    "sign_error_feedback": ("gradient_allreduce", {"compression": "sign"}, "sgd"),
+    "hierarchical": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2}, "sgd"),
+    "topk": ("topk", {"density": 0.1}, "sgd"),
+    "topk_momentum_correction": ("topk", {"density": 0.1, "momentum_correction": 0.9}, "sgd"),
+    "gtopk": ("gtopk", {"density": 0.1, "warmup_densities": [0.5], "warmup_steps_per_stage": 2}, "sgd"),
+    "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0}, "sgd"),
+    "qadam": ("qadam", {"warmup_steps": 2}, "adam"),
+    "local_sgd_warmup": ("local_sgd", {"period": 2, "warmup_steps": STEPS}, "sgd"),
+    "async_warmup": ("async_model_average", {"warmup_steps": STEPS, "sync_interval_ms": 50}, "sgd"),
+}
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN),
+                               torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(rank * 7919 + step * 31 + 5)
+    x = torch.randn(16, D_IN, generator=g)
+    return x, (x[:, :CLASSES] * 3).argmax(1)
+
+
+def _sha(obj) -> str:
+    h = hashlib.sha1()
+
+    def walk(o):
+        if isinstance(o, torch.Tensor):
+            h.update(o.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(o, dict):
+            for k in sorted(o, key=str):
+                h.update(str(k).encode())
+                walk(o[k])
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+        else:
+            h.update(repr(o).encode())
+    walk(obj)
+    return h.hexdigest()
+
+
+def _weights(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+
+
+def _optimizer(kind, net):
+    if kind == "adam":
+        return torch.optim.Adam(net.parameters(), lr=1e-3)
+    return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+
+def _r_scaled(rank, P, label, scaler_on):
+    """Train STEPS steps under bf16 autocast; at BAD_STEP rank BAD_RANK's loss is multiplied by inf."""
+    name, options, kind = CASES[label]
+    net = _net()
+    opt = _optimizer(kind, net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
+    out = {"weights": [], "state": [], "grad_finite": [], "errors": [], "scale": []}
+    for s in range(STEPS):
+        x, y = _batch(rank, s)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        if s == BAD_STEP and rank == BAD_RANK:
+            loss = loss * float("inf")
+        (scaler.scale(loss) if scaler else loss).backward()
+        out["grad_finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in net.parameters()
+                                      if p.grad is not None))
+        try:
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+                out["scale"].append(float(scaler.get_scale()))
+            else:
+                opt.step()
+        except FloatingPointError as e:
+            out["errors"].append((s, str(e)))
+        opt.zero_grad()
+        out["weights"].append(_weights(net))
+        out["state"].append(_sha(model.algorithm_state_dict()))
+    model.close()
+    return out
+
+
+def _check(res, P, label, scaler_on):
+    centralized = not label.startswith("async")  # async warm-up is synchronous too: replicas equal
+    for r, out in enumerate(res):
+        assert all(torch.isfinite(w).all() for w in out["weights"]), f"{label}: rank {r} weights went non-finite"
+        # the bad step changed nothing on any rank: weights and the algorithm's state (residuals, momenta)
+        assert torch.equal(out["weights"][BAD_STEP], out["weights"][BAD_STEP - 1]), \
+            f"{label}: rank {r} applied the non-finite step"
+        before, after = out["state"][BAD_STEP - 1], out["state"][BAD_STEP]
+        # the state dict holds the step counter, which a skipped step does not advance
+        assert before == after, f"{label}: rank {r}'s algorithm state changed in the discarded round"
+        # ... every rank saw NaN gradients in that step (so a scaler skips it everywhere), none otherwise
+        assert out["grad_finite"] == [s != BAD_STEP for s in range(STEPS)], (label, r, out["grad_finite"])
+        # ... and training went on afterwards
+        assert not torch.equal(out["weights"][-1], out["weights"][BAD_STEP]), f"{label}: rank {r} stopped training"
+        if scaler_on:
+            assert out["errors"] == [], (label, r, out["errors"])
+        else:
+            assert [s for s, _ in out["errors"]] == [BAD_STEP], (label, r, out["errors"])
+            msg = out["errors"][0][1]
+            assert f"rank {BAD_RANK} (bucket" in msg and "non-finite gradient" in msg, msg
+    if scaler_on:
+        assert len({tuple(o["scale"]) for o in res}) == 1, f"{label}: the scalers disagree: {[o['scale'] for o in res]}"
+        assert res[0]["scale"][BAD_STEP] < res[0]["scale"][BAD_STEP - 1], "the scaler did not see the overflow"
+    if centralized:
+        for s in range(STEPS):
+            assert len({bytes(o["weights"][s].view(torch.uint8).numpy()) for o in res}) == 1, \
+                f"{label}: replicas differ after step {s}"
+
+
+def _r_all(rank, P, scaler_on):
+    return {label: _r_scaled(rank, P, label, scaler_on) for label in CASES}
+
+
+@pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("scaler_on", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_nonfinite_gradient_on_one_rank(clusters, P, scaler_on):
+    res = clusters.get(P).run(_r_all, scaler_on, timeout=240)
+    for label in CASES:
+        _check([r[label] for r in res], P, label, scaler_on)
+
+
+def _r_out_of_step(rank, P, name, options):
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+    x, y = _batch(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    if rank == P - 1:
+        opt.step()  # an extra step (e.g. a second optimizer.step() in a branch only this rank takes)
+    before = _weights(net)
+    try:
+        F.cross_entropy(model(x), y).backward()
+        return ("no error", None)
+    except RuntimeError as e:
+        return (str(e), torch.equal(before, _weights(net)))
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("name, options", [
+    ("gradient_allreduce", {}),
+    ("gtopk", {"density": 0.1, "warmup_densities": [0.5], "warmup_steps_per_stage": 1}),  # k depends on step
+    ("powersgd", {"rank": 2}),
+], ids=["gradient_allreduce", "gtopk", "powersgd"])
+@pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
+def test_ranks_out_of_step_raise_on_every_rank(clusters, P, name, options):
+    res = clusters.get(P).run(_r_out_of_step, name, options, timeout=60)
+    for r, (msg, unchanged) in enumerate(res):
+        assert "ranks are out of step" in msg and f"rank {P - 1}: 2" in msg and "rank 0: 1" in msg, (r, msg)
+        assert unchanged, f"rank {r}: weights changed"
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = torch.nn.Linear(D_IN, HIDDEN)
+        self.extra = torch.nn.Linear(HIDDEN, CLASSES)
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x, use_extra):
+        h = torch.relu(self.trunk(x))
+        return self.head(h) + self.extra(h) if use_extra else self.head(h)
+
+
+def _r_unused(rank, P, name):
+    """Step 0: no rank uses ``extra``; step 1: only the last rank does. With weight decay and momentum."""
+    net = _Branchy()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    model = bagua_lite.DistributedModel(net, opt, build(name), bucket_size_mb=0.002)
+    seen = []
+    for s, use in enumerate([False, rank == P - 1]):
+        before = net.extra.weight.detach().clone()
+        x, y = _batch(rank, s)
+        F.cross_entropy(model(x, use), y).backward()
+        seen.append((net.extra.weight.grad is None, net.head.weight.grad is None))
+        opt.step()
+        opt.zero_grad()
+        seen.append(torch.equal(before, net.extra.weight))
+    model.close()
+    return seen, _weights(net)
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "gtopk"])
+def test_parameters_no_rank_used_keep_grad_none(clusters, name):
+    P = 3
+    res = clusters.get(P).run(_r_unused, name, timeout=60)
+    for r, (seen, _) in enumerate(res):
+        # step 0: extra unused everywhere -> .grad None, weight untouched by weight decay/momentum
+        assert seen[0] == (True, False) and seen[1] is True, (r, seen)
+        # step 1: used on one rank -> every rank gets its (averaged) gradient and moves it
+        assert seen[2] == (False, False) and seen[3] is False, (r, seen)
+    assert len({bytes(w.view(torch.uint8).numpy()) for _, w in res}) == 1, "replicas differ"
