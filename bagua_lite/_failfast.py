@@ -1,0 +1,76 @@
+"""Fail fast: a rank whose communication failed tells its peers, so none of them waits out the timeout.
+
+gloo gives a waiting peer no error while the failed rank's process stays alive (the user caught the
+exception, or went on to evaluation): it waits for the process group's timeout, 30 minutes by default,
+and ``ProcessGroup.abort()`` does not close gloo's connections. So the failing rank writes one key into the
+rendezvous store every rank already shares (torchrun's TCPStore, or the init_method's store), and a rank
+waiting for its own buckets looks at that key every ``POLL_S`` seconds. The key is per
+``DistributedModel`` (models are created in the same order on every rank), so a failure of one model
+never affects another made later in the same job.
+"""
+import itertools
+import time
+
+import torch.distributed as dist
+
+POLL_S = 0.5
+_models = itertools.count()
+
+
+class PeerFailedError(RuntimeError):
+    """Another rank's communication failed; this rank stopped waiting for it."""
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group (a user-made group only): no fail-fast channel
+        return None
+
+
+class FailFast:
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.key = f"bagua_lite/failed/{next(_models)}"
+        self.store = _default_store()
+        self.failed = None  # set once this model's communication is known to be broken
+
+    def announce(self, what: str) -> None:
+        """This rank's communication failed: tell every peer (best effort; never raises)."""
+        if self.failed is None:
+            self.failed = f"rank {self.rank}: {what}"
+        if self.store is not None:
+            try:
+                self.store.set(self.key, f"rank {self.rank}: {what}")
+            except Exception:  # noqa: BLE001 - the store may be gone with the job
+                pass
+
+    def check(self) -> None:
+        """Raise :class:`PeerFailedError` if any rank announced a failure."""
+        if self.store is None:
+            return
+        try:
+            if not self.store.check([self.key]):
+                return
+            text = self.store.get(self.key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the store's host is gone: the collective will say more
+            return
+        self.failed = text
+        raise PeerFailedError(f"bagua_lite: rank {self.rank} stops waiting: a peer's communication failed "
+                              f"({text}). Every rank of this model raises; restart from the last checkpoint")
+
+    def wait_engine(self, engine) -> None:
+        """``engine.wait_all()``, looking for a peer's failure every POLL_S seconds."""
+        while not engine.wait_all_for(POLL_S):
+            self.check()
+
+    def wait_work(self, work) -> None:
+        """``work.wait()`` of an async collective, looking for a peer's failure while it is in flight."""
+        delay, next_check = 2e-5, time.monotonic() + POLL_S
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+            if time.monotonic() >= next_check:
+                self.check()
+                next_check = time.monotonic() + POLL_S
+        work.wait()
