@@ -1,4 +1,4 @@
-"""bagua_lite.models: torchvision's layer layouts in plain torch.nn (torchvision does not import here).
+"""bagua_lite.bench.zoo: torchvision's layer layouts in plain torch.nn (torchvision does not import here).
 
 The ImageNet variants must have exactly torchvision's published parameter counts; the CIFAR variants
 run a 32x32 batch forward and backward, and train a step under DistributedModel (BatchNorm buffers and
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import bagua_lite
-from bagua_lite import models
+from bagua_lite.bench import zoo as models
 
 
 @pytest.mark.parametrize("name, published", [("resnet18", 11_689_512), ("vgg16", 138_357_544)])
