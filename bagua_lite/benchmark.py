@@ -1,3 +1,3 @@
-"""Deprecated: the benchmark moved to ``bagua_lite.bench``; ``python -m bagua_lite.benchmark`` forwards there."""
+"""Deprecated alias: ``python -m bagua_lite.benchmark ...`` runs ``python -m bagua_lite.bench ...``."""
 if __name__ == "__main__":
-    from bagua_lite.bench.runner import main; main()  # noqa: E702
+    import sys; print("bagua_lite.benchmark is deprecated: use python -m bagua_lite.bench", file=sys.stderr); from bagua_lite.bench.runner import main; main()  # noqa: E501,E702

@@ -94,3 +94,39 @@ def resnet18(num_classes: int = 10, cifar: bool = True) -> nn.Module:
 
 def vgg16(num_classes: int = 10, cifar: bool = True) -> nn.Module:
     return VGG16(num_classes, cifar)
+
+
+# ---- the benchmark's models, by name ---------------------------------------------------------------------------
+MODELS = ("mlp25m", "cnn", "mlp_small", "resnet18", "vgg16")
+_MODEL_CACHE = {}
+
+
+def fresh_model(name):
+    """make_model(name), built once per process and deep-copied after: a 25M-parameter init takes a while."""
+    import copy
+
+    if name not in _MODEL_CACHE:
+        _MODEL_CACHE[name] = make_model(name)
+    net, shape = _MODEL_CACHE[name]
+    return copy.deepcopy(net), shape
+
+
+def make_model(name, seed=0):
+    import torch
+
+    torch.manual_seed(seed)
+    nn = torch.nn
+    if name == "mlp25m":  # communication-heavy: 25.2M parameters, little compute per byte
+        return nn.Sequential(nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 2048), nn.ReLU(),
+                             nn.Linear(2048, 4096), nn.ReLU(), nn.Linear(4096, 10)), (2048,)
+    if name == "mlp_small":  # for quick runs and tests
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)), (256,)
+    if name == "cnn":  # compute-heavy: ~0.3M parameters, many FLOPs per byte
+        return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+                             nn.MaxPool2d(2), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                             nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(128, 10)), (3, 32, 32)
+    if name in ("resnet18", "vgg16"):  # real architectures at CIFAR size (bagua_lite.bench.zoo): 11.2M / 15.0M
+        return globals()[name](num_classes=10, cifar=True), (3, 32, 32)
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+
