@@ -232,3 +232,95 @@ def write_outputs(rows, projections, out_dir):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, "throughput.png"), dpi=110)
 
+
+
+# ---- convergence mode -----------------------------------------------------------------------------------------
+def summarize_convergence(records):
+    """One row per convergence cell; ``speedup_vs_ddp`` compares times to target with the plain DDP cell
+    (same optimizer if measured) of the same network, P and model, when both reached it."""
+    cells = [r for r in records if r["kind"] == "convergence"]
+    rows = []
+    for c in cells:
+        ddp = _ddp_baseline(cells, c)
+        ours, base = c["time_to_target_s"], ddp["time_to_target_s"] if ddp else None
+        rows.append({
+            "network": c["network"], "world_size": c["world_size"], "model": c["model"], "algorithm": c["label"],
+            "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "metric": c["metric"],
+            "target": c["target"], "steps_to_target": c["steps_to_target"], "time_to_target_s": ours,
+            "final_metric": c["final_metric"], "final_loss": c["final_loss"], "step_s": c["step_s"],
+            "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
+            "speedup_vs_ddp": (base / ours) if ours and base else None,
+            "ddp_baseline": ddp["label"] if ddp else None, "picked": c.get("picked"), "curve": c["curve"],
+        })
+    return rows
+
+
+def _by_time_to_target(r):
+    """Reached first, by time; then the rest, best final metric first."""
+    sign = -1 if r["metric"] == "accuracy" else 1
+    if r["time_to_target_s"] is not None:
+        return (0, r["time_to_target_s"])
+    return (1, sign * r["final_metric"])
+
+
+def print_convergence_table(rows, out=sys.stdout):
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    for (network, P, model), rs in groups.items():
+        metric, target = rs[0]["metric"], rs[0]["target"]
+        print(f"\n{model} on {network}, P={P}: time to held-out {metric} {'>=' if metric == 'accuracy' else '<='} "
+              f"{target} (training wall time, evaluations excluded)", file=out)
+        hdr = (f"{'algorithm':<34}{'time to target':>15}{'steps':>7}{'vs DDP':>8}{'s/step':>8}"
+               f"{'final ' + metric:>16}{'steps run':>10}")
+        print(hdr, file=out)
+        print("-" * len(hdr), file=out)
+        for r in sorted(rs, key=_by_time_to_target):
+            t = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f} s"
+            n = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+            v = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}"
+            print(f"{r['algorithm'][:33]:<34}{t:>15}{n:>7}{v:>8}{r['step_s']:>8.4f}{r['final_metric']:>16.4f}"
+                  f"{r['steps_run']:>10}", file=out)
+    print("'-': the target was not reached within the budget. vs DDP: DDP's time to target over this row's. "
+          "Evaluated: the average of the replicas (rank 0's model for synchronous algorithms).", file=out)
+
+
+def write_convergence_outputs(rows, out_dir):
+    """results.json (with every evaluation's [step, seconds, metric, loss]), results.csv (without the
+    curves) and one ``convergence_<model>.png`` per model: the metric against training seconds, one panel
+    per network and P, one line per algorithm. Returns the names of the plots written."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"mode": "convergence", "rows": rows}, f, indent=2)
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        fields = [k for k in rows[0] if k != "curve"]
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
+        return []
+    written = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        panels = list(dict.fromkeys((r["network"], r["world_size"]) for r in rs))
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        for ax, (network, P) in zip(axes[0], panels):
+            for r in (r for r in rs if (r["network"], r["world_size"]) == (network, P)):
+                ax.plot([c[1] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["algorithm"][:30])
+            ax.axhline(rs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
+            ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
+            ax.set_ylabel(f"held-out {rs[0]['metric']}")
+            ax.set_title(f"{model}, {network}, P={P}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"convergence_{model}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        plt.close(fig)
+        written.append(name)
+    return written

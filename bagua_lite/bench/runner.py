@@ -60,8 +60,9 @@ import sys
 import time
 
 from .config import BASELINES, STRAGGLER_RANK, load_benchmark_config, make_optimizer
-from .data import make_batches
-from .report import auto_report, cycle_median, print_table, projection_report, summarize, write_outputs
+from .data import loss_fn, make_batches
+from .report import (auto_report, cycle_median, print_convergence_table, print_table, projection_report, summarize,
+                     summarize_convergence, write_convergence_outputs, write_outputs)
 from .zoo import fresh_model
 
 
@@ -78,6 +79,45 @@ def _tx_bytes():
         return None
 
 
+def wrap(cell, cfg, net):
+    """(model to call, our DistributedModel or None for a DDP baseline, optimizer) of one cell.
+
+    The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm that applies
+    momentum itself (gtopk/topk's ``momentum_correction``, as in ``bagua_lite.demo``)."""
+    import bagua_lite
+    from bagua_lite.demo import optimizer_momentum
+
+    name, options = cell["name"], cell["options"]
+    kind = cell.get("optimizer", "sgd")
+    if name not in BASELINES:
+        from bagua_lite.algorithms import build
+
+        algorithm = build(name, **options)
+        opt = make_optimizer(kind, net.parameters(), cfg.get("lr"), optimizer_momentum(algorithm))
+        # Every rank built the same seeded model, so the start-up broadcast (DDP always does one; neither
+        # is timed) is skipped: it costs seconds per cell on a slow emulated link.
+        wrapper = bagua_lite.DistributedModel(net, opt, algorithm=algorithm,
+                                              bucket_size_mb=cfg["bucket_size_mb"], broadcast_parameters=False)
+        return wrapper, wrapper, opt
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    opt = make_optimizer(kind, net.parameters(), cfg.get("lr"))
+    # powerSGD_hook with several buckets on gloo crashes (its per-bucket callbacks launch collectives
+    # out of order); it runs reliably with one bucket, so that is how we run it.
+    cap = 4096 if name == "ddp_powersgd" else cfg["bucket_size_mb"]
+    # init_sync=False: every rank built the same seeded model (as for ours, the start-up broadcast is
+    # skipped; neither is timed, it only costs the run seconds on a slow link)
+    model = DDP(net, bucket_cap_mb=cap, init_sync=False)
+    if name == "ddp_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "ddp_powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
+                                            start_powerSGD_iter=2, min_compression_rate=0.5)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return model, None, opt
+
+
 def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     """Train ``model_name`` with one algorithm; returns per-step times (every rank's) and counters.
 
@@ -88,41 +128,15 @@ def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     import torch
     import torch.distributed as dist
 
-    import bagua_lite
     from bagua_lite import comm
 
     gc.collect()  # the previous cell's model, buffers and DDP reducer are gone before this one is timed
     net, _ = fresh_model(model_name)
-    name, options = cell["name"], cell["options"]
-    opt = make_optimizer(cell.get("optimizer", "sgd"), net.parameters())
-    wrapper, ours = None, name not in BASELINES
-    if ours:
-        from bagua_lite.algorithms import build
-
-        # Every rank built the same seeded model, so the start-up broadcast (DDP always does one; neither
-        # is timed) is skipped: it costs seconds per cell on a slow emulated link.
-        wrapper = bagua_lite.DistributedModel(net, opt, algorithm=build(name, **options),
-                                              bucket_size_mb=cfg["bucket_size_mb"], broadcast_parameters=False)
-        model = wrapper
-    else:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        # powerSGD_hook with several buckets on gloo crashes (its per-bucket callbacks launch collectives
-        # out of order); it runs reliably with one bucket, so that is how we run it.
-        cap = 4096 if name == "ddp_powersgd" else cfg["bucket_size_mb"]
-        # init_sync=False: every rank built the same seeded model (as for ours, the start-up broadcast is
-        # skipped; neither is timed, it only costs the run seconds on a slow link)
-        model = DDP(net, bucket_cap_mb=cap, init_sync=False)
-        if name == "ddp_fp16":
-            model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif name == "ddp_powersgd":
-            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
-                                                start_powerSGD_iter=2, min_compression_rate=0.5)
-            model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    name = cell["name"]
+    model, wrapper, opt = wrap(cell, cfg, net)
+    ours = wrapper is not None
     asynchronous = ours and bool(getattr(wrapper.algorithm, "asynchronous", False))
     slow = straggler == "half" and rank == STRAGGLER_RANK
-    loss_fn = torch.nn.CrossEntropyLoss()
     times, losses, waits, busy, sent, tx = [], [], [], [], [], []
     rank_times = [[] for _ in range(world)]  # rank_times[r]: rank r's own measured step times
     own = []  # this rank's (asynchronous: exchanged after the last step)
@@ -218,7 +232,6 @@ def _compute_floor(model_name, batches, cfg):
 
     net, _ = fresh_model(model_name)
     opt = make_optimizer("sgd", net.parameters())  # the floor keeps SGD whatever the cells use
-    loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     # Timed like a cell (the slowest rank per step, then the median), over at least 8 steps: it is cheap,
     # and every prediction and "exposed" figure of the model is measured against it.
@@ -253,23 +266,31 @@ def worker_main(cfg, network, result_path):
     if owned:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
     rank, world = dist.get_rank(), dist.get_world_size()
-    from .. import cost_model
-
-    net = cost_model.probe_network()
-    machine = cost_model.calibrate_machine()
 
     def emit(record):
         if rank == 0:
             with open(result_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+    if cfg["mode"] == "convergence":
+        from . import convergence
+
+        convergence.worker(cfg, network, rank, world, emit)
+        if owned:
+            dist.destroy_process_group()
+        return
+    from .. import cost_model
+
+    net = cost_model.probe_network()
+    machine = cost_model.calibrate_machine()
+
     emit({"kind": "network", "network": network, "world_size": world, "alpha": net.alpha, "beta": net.beta,
           "host_local": net.host_local,
           "machine": machine.__dict__, "malloc_tuned": tuned})
     for model_name in cfg["models"]:
-        model0, shape = fresh_model(model_name)
+        model0, spec = fresh_model(model_name)
         numel = sum(p.numel() for p in model0.parameters())
-        batches = make_batches(shape, cfg["batch_size"], cfg["warmup_steps"] + cfg["max_steps"], rank)
+        batches = make_batches(spec, cfg["batch_size"], cfg["warmup_steps"] + cfg["max_steps"], rank)
         floor = _compute_floor(model_name, batches, cfg)
         from ..bucket import plan_model_buckets  # the buckets DistributedModel will make
         bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
@@ -364,7 +385,7 @@ def _count_cells(path):
     if not os.path.exists(path):
         return 0
     with open(path) as f:
-        return sum(1 for line in f if '"kind": "cell"' in line)
+        return sum(1 for line in f if '"kind": "cell"' in line or '"kind": "convergence"' in line)
 
 
 def _read(path):
@@ -384,6 +405,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     cfg = load_benchmark_config(args.config)
     project = [int(p) for p in args.project.split(",") if p.strip()] or list(cfg["project"])
+    if project and cfg["mode"] == "convergence":
+        ap.error("--project projects step times: it needs mode throughput, the config says mode convergence")
 
     if args.worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.result_file is None):
         # Under torchrun on a real cluster: measure here; rank 0 writes the results.
@@ -422,6 +445,12 @@ def main(argv=None):
         _progress(total, total, f"done in {time.monotonic() - t0:.0f} s")
         sys.stderr.write("\n")
         records = _read(path)
+    if cfg["mode"] == "convergence":
+        rows = summarize_convergence(records)
+        print_convergence_table(rows)
+        written = write_convergence_outputs(rows, args.out)
+        print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))
+        return
     rows = summarize(records)
     print_table(rows)
     tuned = {r.get("malloc_tuned") for r in records if r["kind"] == "network"}
