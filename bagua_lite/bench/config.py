@@ -20,7 +20,7 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
 ``max_steps``    the step budget (required in convergence mode).
 ``time_budget_s`` a training-time budget per cell in seconds (optional; checked at each evaluation).
 ``eval_every``   steps between evaluations (default 20); the time to target is known to this resolution.
-``eval_samples`` size of the held-out set of the synthetic tasks (default 512; digits has its own 360).
+``eval_samples`` size of the held-out set of the synthetic tasks (default 512; digits has its own 359).
 ``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
                  every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
 The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``) are

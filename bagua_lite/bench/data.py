@@ -6,7 +6,7 @@ the same for every algorithm (same seed) and on every rank's view:
 
 ``digits``   scikit-learn's digits (ships with it, no download; ``mlp_digits``): an 80/20 split of the
              1797 8x8 images, the training part sharded by rank and reshuffled every epoch (seeded), the
-             360 held-out images for the metric. The demo's split (``bagua_lite.demo.digits_shards``).
+             359 held-out images for the metric. The demo's split (``bagua_lite.demo.digits_shards``).
 ``teacher``  every other classifier: random inputs of the model's input shape (``_inputs``), labelled by a
              fixed random *teacher* network (flat inputs: 64 ReLU units then 10 logits; images: 16 random 3x3
              filters, ReLU, the mean over the image, 10 logits: translation-invariant, as a CNN is), its logits standardised per class on
