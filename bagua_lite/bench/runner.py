@@ -12,6 +12,11 @@ Per cell: samples/s, speed-up over DDP, time split (compute floor, compression, 
 share), bytes sent per step per rank, final training loss, and the alpha-beta cost model's prediction.
 Outputs: a table, ``results.json``, ``results.csv`` and ``throughput.png`` in ``--out``.
 
+``mode: convergence`` in the YAML measures time to accuracy instead (``bench/convergence.py``): every
+algorithm trains the model's task to a held-out target; rows get ``steps_to_target``,
+``time_to_target_s``, ``final_metric`` and ``step_s``; plots ``convergence_<model>.png``. The configuration
+keys are described in ``bench/config.py``.
+
 The matrix (YAML), besides world sizes, networks, models and step counts:
 
 ``algorithms``   entries ``name`` or ``{name: ..., <the algorithm's options>, label: ..., optimizer: ...}``.
