@@ -55,7 +55,7 @@ setup(
     name="bagua_lite",
     version="0.1.0",
     description="Communication relaxations for data-parallel PyTorch training on slow networks",
-    packages=["bagua_lite", "bagua_lite.algorithms"],
+    packages=["bagua_lite", "bagua_lite.bench", "bagua_lite.algorithms"],
     package_dir={"bagua_lite": "bagua_lite", "bagua_lite.algorithms": "algorithms"},
     ext_modules=[ext],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -6,4 +6,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/install.sh
-"$PY" -m bagua_lite.benchmark --config configs/benchmark.yaml --project 16,32,128,1024 "$@"
+"$PY" -m bagua_lite.bench --config configs/benchmark.yaml --project 16,32,128,1024 "$@"

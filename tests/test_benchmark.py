@@ -50,7 +50,7 @@ class AsyncLocalTest(bagua_lite.Algorithm):
 
 def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "bagua_lite.benchmark", "--config", "configs/benchmark_quick.yaml",
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench", "--config", "configs/benchmark_quick.yaml",
                            "--out", str(out), "--project", "16,1024"], cwd=ROOT, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -90,7 +90,7 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     half_ddp = rows[len(names)]
     assert half_ddp["name"] == "ddp" and half_ddp["fast_s_per_step"] > 0.7 * half_ddp["step_s"]
     # one value of the axis only: no straggler column
-    from bagua_lite.benchmark import print_table
+    from bagua_lite.bench.report import print_table
 
     buf = io.StringIO()
     print_table([r for r in rows if r["straggler"] == "none"], out=buf)
@@ -116,7 +116,7 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
 def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("world_sizes: [2]\nnetwork: [loopback]\nalgorithms: [ddp]\n")
-    proc = subprocess.run([sys.executable, "-m", "bagua_lite.benchmark", "--config", str(bad), "--out",
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench", "--config", str(bad), "--out",
                            str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "unknown key 'network'" in proc.stderr and "did you mean 'networks'" in proc.stderr
@@ -128,7 +128,7 @@ def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
     ("steps: 0", r"steps must be an int >= 1, got 0"),
 ])
 def test_bad_step_settings_name_the_value(tmp_path, extra, pattern):
-    from bagua_lite.benchmark import load_benchmark_config
+    from bagua_lite.bench.config import load_benchmark_config
 
     p = tmp_path / "c.yaml"
     p.write_text("steps: 5\nalgorithms: [ddp]\n" + extra + "\n" if not extra.startswith("steps") else
@@ -140,7 +140,7 @@ def test_bad_step_settings_name_the_value(tmp_path, extra, pattern):
 def test_every_shipped_benchmark_config_validates():
     import glob
 
-    from bagua_lite.benchmark import load_benchmark_config
+    from bagua_lite.bench.config import load_benchmark_config
 
     paths = sorted(glob.glob(os.path.join(ROOT, "configs", "benchmark*.yaml")))
     assert len(paths) >= 3
@@ -151,7 +151,7 @@ def test_every_shipped_benchmark_config_validates():
 
 
 def test_cycle_median_counts_the_periodic_step():
-    from bagua_lite.benchmark import cycle_median
+    from bagua_lite.bench.report import cycle_median
     # period 4: one expensive averaging step per cycle must show in the per-step figure
     times = [0.2, 2.2, 0.2, 0.2, 0.2, 1.8, 0.2, 0.2]
     assert cycle_median(times, 4) == pytest.approx((0.6 + 2.2 + 0.6 + 1.8) / 8)
@@ -170,7 +170,7 @@ def test_cycle_median_counts_the_periodic_step():
     ("[ddp]", "stragglers: [half, half]", r"stragglers lists a condition twice"),
 ])
 def test_bad_optimizer_or_straggler_names_the_value(tmp_path, algorithms, extra, pattern):
-    from bagua_lite.benchmark import load_benchmark_config
+    from bagua_lite.bench.config import load_benchmark_config
 
     p = tmp_path / "c.yaml"
     p.write_text(f"algorithms: {algorithms}\n{extra}\n")
@@ -179,7 +179,7 @@ def test_bad_optimizer_or_straggler_names_the_value(tmp_path, algorithms, extra,
 
 
 def test_optimizer_is_the_benchmarks_key_not_the_algorithms(tmp_path):
-    from bagua_lite.benchmark import load_benchmark_config
+    from bagua_lite.bench.config import load_benchmark_config
 
     p = tmp_path / "c.yaml"
     # gtopk has no option 'optimizer': building it with one would raise
@@ -193,7 +193,7 @@ def test_optimizer_is_the_benchmarks_key_not_the_algorithms(tmp_path):
 
 
 def _r_bench_matrix(rank, P, cfg, path):
-    from bagua_lite import benchmark
+    from bagua_lite.bench import runner as benchmark
 
     AsyncLocalTest.step_ends.clear()
     benchmark.worker_main(cfg, "loopback", path)  # in this cluster's group, which it leaves alone
@@ -219,7 +219,9 @@ def test_asynchronous_algorithm_is_timed_per_rank_without_per_step_sync(tmp_path
     """A test-only asynchronous algorithm (rank-local training plus 20 ms of fixed work per step) under
     a straggler: the fast rank must keep its own pace (the benchmark does not synchronise it per step),
     every rank must finish the cell, and the speed-up must be against the DDP row of the same condition."""
-    from bagua_lite.benchmark import _read, load_benchmark_config, summarize
+    from bagua_lite.bench.config import load_benchmark_config
+    from bagua_lite.bench.report import summarize
+    from bagua_lite.bench.runner import _read
 
     cfg_path = tmp_path / "async.yaml"
     cfg_path.write_text(ASYNC_YAML)

@@ -1,4 +1,4 @@
-"""Tests of bagua_lite.netem: rate parsing, naming, and (as root) real namespaces, veths, bridge and tbf.
+"""Tests of bagua_lite.bench.netem: rate parsing, naming, and (as root) real namespaces, veths, bridge and tbf.
 
 Where emulation is not available (not root, no iproute2, no netns support) the system tests do not skip:
 they assert that ``available()`` explains why, so a broken setup cannot pass unnoticed as "skipped".
@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from bagua_lite import netem
-from bagua_lite.netem import NETWORKS, EmulatedNetwork, NetemError, available, parse_rate
+from bagua_lite.bench import netem
+from bagua_lite.bench.netem import NETWORKS, EmulatedNetwork, NetemError, available, parse_rate
 
 AVAILABLE, WHY = available()
 

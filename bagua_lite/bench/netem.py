@@ -50,7 +50,7 @@ Not emulated. The kernel here has no ``sch_netem``, and a delay added in one fra
 unfair, so the emulated links only limit the rate. The links' real latency (veth + bridge, some tens of
 microseconds) is what the cost model's alpha measures; the projections take alpha as a parameter.
 
-Self-check: ``python -m bagua_lite.netem --selftest --rate 1gbit`` (as root) measures TCP throughput
+Self-check: ``python -m bagua_lite.bench.netem --selftest --rate 1gbit`` (as root) measures TCP throughput
 between two namespaces and the time of a gloo allreduce inside the namespaces, against plain loopback.
 """
 from __future__ import annotations
@@ -570,7 +570,7 @@ def _selftest(rates: list[str], world_size: int, seconds: float, numel: int, ite
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bagua_lite.netem", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bagua_lite.bench.netem", description=__doc__.split("\n")[0])
     ap.add_argument("--selftest", action="store_true", help="measure throughput and allreduce time")
     ap.add_argument("--rate", action="append", help="tc rate(s) to test, repeatable or comma separated "
                                                     "(default 1gbit)")

@@ -1,0 +1,10 @@
+"""The benchmark tool, kept apart from the training runtime: ``python -m bagua_lite.bench --config ...``.
+
+``config``   the YAML matrix, validated before any process starts
+``runner``   launches the ranks (one network namespace each on emulated links) and times the cells
+``report``   summary rows, tables, projections, JSON/CSV and plots
+``zoo``      the models it trains (real architectures in plain torch.nn) and ``data`` their batches
+``netem``    emulated slow networks on one machine (ip netns + veth + bridge + tc tbf)
+
+The cost model stays in the library (``bagua_lite.cost_model``): ``algorithms/auto.py`` uses it.
+"""

@@ -1,0 +1,187 @@
+"""The benchmark's configuration: the YAML matrix, validated before any process starts.
+
+Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
+
+``algorithms``   entries ``name`` or ``{name: ..., <the algorithm's options>, label: ..., optimizer: ...}``.
+                 ``optimizer`` (taken by the benchmark, never passed to the algorithm) is one of
+                 ``sgd`` (default: SGD, lr 0.01, momentum 0.9), ``adam`` (Adam, lr 1e-3) or ``adamw``
+                 (AdamW, lr 1e-3, weight decay 0.01); the DDP baselines take it too, so an algorithm that
+                 needs Adam (qadam) is compared with ``{name: ddp, optimizer: adam}``. The compute floor
+                 always uses SGD.
+``stragglers``   a matrix axis, default ``[none]``; ``half``: rank 0 runs at half speed (see ``runner``).
+``lr``           the learning rate of every cell's optimizer (default: 0.01 for sgd, 1e-3 for adam/adamw).
+
+``mode``         ``throughput`` (default: seconds per step over a few timed steps) or ``convergence``:
+                 every algorithm trains the model's task (``bench.data``) from the same seed until the
+                 held-out ``metric`` reaches ``target`` or the budget runs out. Convergence keys:
+``metric``       ``accuracy`` (default; the target is reached at >= target) or ``loss`` (held-out
+                 cross-entropy; reached at <= target).
+``target``       the number to reach (required; accuracy in (0, 1], loss > 0).
+``max_steps``    the step budget (required in convergence mode).
+``time_budget_s`` a training-time budget per cell in seconds (optional; checked at each evaluation).
+``eval_every``   steps between evaluations (default 20); the time to target is known to this resolution.
+``eval_samples`` size of the held-out set of the synthetic tasks (default 512; digits has its own 359).
+``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
+                 every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
+The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``) are
+refused in convergence mode, and the convergence keys in throughput mode.
+"""
+
+import yaml
+
+from .zoo import MODELS
+
+BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd")
+OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
+STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
+STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
+MODES = ("throughput", "convergence")
+METRICS = ("accuracy", "loss")
+THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project")
+CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target")
+CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
+               "timeout_s", "max_steps", "lr") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
+
+
+# ---- configuration -----------------------------------------------------------------------------------------
+def load_benchmark_config(path):
+    import difflib
+
+    with open(path) as f:
+        cfg = yaml.safe_load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"benchmark config {path}: expected a mapping")
+    for key in cfg:
+        if key not in CONFIG_KEYS:
+            near = difflib.get_close_matches(key, CONFIG_KEYS, n=1)
+            raise ValueError(f"benchmark config: unknown key {key!r}" + (f"; did you mean {near[0]!r}?" if near else "")
+                             + f" (allowed: {', '.join(CONFIG_KEYS)})")
+    mode = cfg.get("mode", "throughput")
+    if mode not in MODES:
+        raise ValueError(f"benchmark config: unknown mode {mode!r}; allowed: {', '.join(MODES)}")
+    wrong = [k for k in cfg if k in (CONVERGENCE_KEYS if mode == "throughput" else THROUGHPUT_KEYS)]
+    if wrong:
+        other = "convergence" if mode == "throughput" else "throughput"
+        raise ValueError(f"benchmark config: {wrong[0]!r} is a key of mode {other}, not of mode {mode} "
+                         f"(mode {mode} takes: {', '.join(k for k in CONFIG_KEYS if k not in (CONVERGENCE_KEYS if mode == 'throughput' else THROUGHPUT_KEYS))})")
+    if mode == "convergence":
+        _check_convergence(cfg)
+    out = {"mode": "throughput", "lr": None, "world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
+           "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
+           "max_steps": None, "stragglers": ["none"]}
+    if mode == "convergence":
+        out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True)
+    out.update(cfg)
+    lr = out["lr"]
+    if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0):
+        raise ValueError(f"benchmark config: lr must be a number > 0 (or absent: the optimizer's default), got {lr!r}")
+    for key, lowest in (("steps", 1), ("warmup_steps", 0)):
+        v = out[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
+            raise ValueError(f"benchmark config: {key} must be an int >= {lowest}, got {v!r}")
+    if out["max_steps"] is None:
+        out["max_steps"] = out["steps"]
+    if mode == "convergence":
+        out["steps"] = 1  # the step budget is max_steps
+    if not isinstance(out["max_steps"], int) or isinstance(out["max_steps"], bool) or out["max_steps"] < out["steps"]:
+        raise ValueError(f"benchmark config: max_steps must be an int >= steps ({out['steps']}), "
+                         f"got {out['max_steps']!r}")
+    m = out["min_cell_s"]
+    if not isinstance(m, (int, float)) or isinstance(m, bool) or m < 0:
+        raise ValueError(f"benchmark config: min_cell_s must be a number of seconds >= 0, got {m!r}")
+    stragglers = out["stragglers"]
+    if not isinstance(stragglers, list) or not stragglers:
+        raise ValueError(f"benchmark config: stragglers must be a non-empty list of {', '.join(STRAGGLERS)}, "
+                         f"got {stragglers!r}")
+    for s in stragglers:
+        if not isinstance(s, str) or s not in STRAGGLERS:
+            raise ValueError(f"benchmark config: unknown straggler condition {s!r} in stragglers; "
+                             f"allowed: {', '.join(STRAGGLERS)}")
+    if len(set(stragglers)) != len(stragglers):
+        raise ValueError(f"benchmark config: stragglers lists a condition twice: {stragglers!r}")
+    for p in out["world_sizes"]:
+        if not isinstance(p, int) or p < 1:
+            raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
+    for m in out["models"]:
+        if m not in MODELS:
+            raise ValueError(f"benchmark config: unknown model {m!r}; known: {', '.join(MODELS)}")
+    from . import netem
+
+    for n in out["networks"]:
+        if n not in netem.NETWORKS:
+            raise ValueError(f"benchmark config: unknown network {n!r}; known: {', '.join(netem.NETWORKS)}")
+    algs = []
+    from .. import algorithms  # noqa: F401  (registers built-ins)
+    from ..algorithm import build
+
+    for entry in out.get("algorithms") or []:
+        entry = {"name": entry} if isinstance(entry, str) else dict(entry)
+        label = entry.pop("label", None)
+        name = entry.pop("name")
+        # the benchmark's own key, never an option of the algorithm
+        optimizer = entry.pop("optimizer", "sgd")
+        if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
+            raise ValueError(f"benchmark config: algorithm {name!r}: unknown optimizer {optimizer!r}; "
+                             f"allowed: {', '.join(OPTIMIZERS)}")
+        if name == "ddp_powersgd":
+            entry.setdefault("rank", 4)
+        elif name not in BASELINES:
+            build(name, **entry)  # validate now, before any process starts
+        algs.append({"name": name, "options": entry, "optimizer": optimizer,
+                     "label": label or _label(name, entry, optimizer)})
+    if not algs:
+        raise ValueError("benchmark config: 'algorithms' must list at least one algorithm")
+    out["algorithms"] = algs
+    return out
+
+
+def _check_convergence(cfg):
+    """The convergence keys of a raw config (mode: convergence), with messages naming key and value."""
+    def number(key, v, low, *, integer=False, high=None):
+        kind = "an int" if integer else "a number"
+        ok = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool) and v > low - integer
+        if ok and high is not None:
+            ok = v <= high
+        if not ok:
+            bound = (f">= {low}" if integer else f"> {low}") + (f" and <= {high}" if high is not None else "")
+            raise ValueError(f"benchmark config: {key} must be {kind} {bound}, got {v!r}")
+
+    metric = cfg.get("metric", "accuracy")
+    if metric not in METRICS:
+        raise ValueError(f"benchmark config: unknown metric {metric!r}; allowed: {', '.join(METRICS)}")
+    if "target" not in cfg:
+        raise ValueError("benchmark config: mode convergence needs a target (the held-out "
+                         f"{metric} to reach, e.g. target: 0.95)")
+    number("target", cfg["target"], 0, high=1 if metric == "accuracy" else None)
+    if "max_steps" not in cfg:
+        raise ValueError("benchmark config: mode convergence needs max_steps (the step budget per cell)")
+    number("max_steps", cfg["max_steps"], 1, integer=True)
+    number("eval_every", cfg.get("eval_every", 20), 1, integer=True)
+    number("eval_samples", cfg.get("eval_samples", 512), 1, integer=True)
+    if cfg.get("time_budget_s") is not None:
+        number("time_budget_s", cfg["time_budget_s"], 0)
+    if not isinstance(cfg.get("stop_at_target", True), bool):
+        raise ValueError(f"benchmark config: stop_at_target must be true or false, got {cfg['stop_at_target']!r}")
+
+
+def _label(name, options, optimizer="sgd"):
+    suffix = "" if optimizer == "sgd" else f"[{optimizer}]"
+    if not options:
+        return name + suffix
+    short = ",".join(f"{k}={v}" for k, v in sorted(options.items()) if k not in ("warmup_densities",))
+    return f"{name}({short}){suffix}"
+
+
+def make_optimizer(kind, params, lr=None, momentum=0.9):
+    """The optimizer of a cell: ``sgd`` (lr 0.01, ``momentum``), ``adam`` (lr 1e-3), ``adamw`` (lr 1e-3,
+    torch's default weight decay 0.01); ``lr`` (the config's) overrides the default rate."""
+    import torch
+
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr or 0.01, momentum=momentum)
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=lr or 1e-3)
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr or 1e-3)
+    raise ValueError(f"unknown optimizer {kind!r}; allowed: {', '.join(OPTIMIZERS)}")
+

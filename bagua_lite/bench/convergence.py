@@ -1,0 +1,125 @@
+"""Convergence mode: which relaxation reaches the target first, in wall-clock training time.
+
+Every cell (network, P, model, algorithm, DDP baselines included) starts from the same seeded weights and
+trains the model's task (``bench.data.make_task``: the same data stream per rank for every algorithm) with
+the cell's optimizer, evaluating every ``eval_every`` steps, until the held-out metric reaches the
+target (``stop_at_target``) or the budget (``max_steps``, ``time_budget_s``) runs out.
+
+Timing: ranks start each stretch of ``eval_every`` steps together (a barrier); a stretch's time is the
+slowest rank's (one allreduce MAX after it), so the sum over stretches is the wall-clock training time
+with every evaluation left out. ``time_to_target_s`` is that sum at the first evaluation that reached the
+target, ``steps_to_target`` its step; ``step_s`` is the training time over the steps run.
+
+What is evaluated: the *average of the replicas* (parameters and buffers, summed onto rank 0 and divided
+by P), by rank 0, on the held-out set; the metric is broadcast so every rank stops at the same
+evaluation. For synchronous algorithms the replicas are identical and the average is rank 0's model; for
+decentralized, local SGD and asynchronous averaging it is the model their averaging tends to, the one a
+user would keep. The averaging and the evaluation are not timed.
+"""
+import copy
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+
+from .data import evaluate, loss_fn, make_task
+from .zoo import fresh_model
+
+
+def average_replicas(net, into):
+    """Rank 0's ``into`` becomes the average of every rank's ``net`` (floating-point parameters and
+    buffers; integer buffers such as BatchNorm's step count are rank 0's). Collective: every rank calls."""
+    world = dist.get_world_size()
+    src = [t for t in net.state_dict().values() if t.is_floating_point()]
+    flat = torch.cat([t.detach().reshape(-1).double() for t in src]) if src else torch.zeros(0, dtype=torch.float64)
+    dist.reduce(flat, dst=0)
+    if dist.get_rank() != 0:
+        return
+    into.load_state_dict(net.state_dict())
+    flat /= world
+    offset = 0
+    with torch.no_grad():
+        for t in (t for t in into.state_dict().values() if t.is_floating_point()):
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def reached(metric, value, target):
+    return value >= target if metric == "accuracy" else value <= target
+
+
+def run_cell(cell, cfg, model_name, task, rank, world):
+    """Train one cell to its target or budget; returns the record's measured fields (same on every rank)."""
+    from .runner import wrap
+
+    gc.collect()
+    net, _ = fresh_model(model_name)
+    eval_net = copy.deepcopy(net)
+    model, wrapper, opt = wrap(cell, cfg, net)
+    metric, target = cfg["metric"], cfg["target"]
+    task.reset()
+
+    def evaluation():
+        average_replicas(net, eval_net)
+        out = torch.tensor(evaluate(eval_net, task) if rank == 0 else (0.0, 0.0), dtype=torch.float64)
+        dist.broadcast(out, 0)
+        acc, loss = out.tolist()
+        return acc if metric == "accuracy" else loss, loss
+
+    t_eval = time.perf_counter()
+    value, heldout = evaluation()
+    eval_s = time.perf_counter() - t_eval
+    curve = [[0, 0.0, value, heldout]]  # [step, training seconds, metric, held-out loss]
+    train_s, step, hit = 0.0, 0, None
+    train_losses = []
+    budget = cfg.get("time_budget_s")
+    while step < cfg["max_steps"]:
+        n = min(cfg["eval_every"], cfg["max_steps"] - step)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x, y = task.batch(step)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+        stretch = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        train_losses.append(float(loss.detach()))
+        dist.all_reduce(stretch, op=dist.ReduceOp.MAX)
+        train_s += float(stretch)
+        t_eval = time.perf_counter()
+        value, heldout = evaluation()
+        eval_s += time.perf_counter() - t_eval
+        curve.append([step, train_s, value, heldout])
+        if hit is None and reached(metric, value, target):
+            hit = (step, train_s)
+            if cfg["stop_at_target"]:
+                break
+        if budget is not None and train_s >= budget:
+            break
+    picked = None
+    if wrapper is not None:
+        picked = getattr(wrapper.algorithm, "picked", None)
+        picked = repr(picked) if picked is not None else None
+        wrapper.close()
+    return {"metric": metric, "target": target, "curve": curve,
+            "steps_to_target": hit[0] if hit else None, "time_to_target_s": hit[1] if hit else None,
+            "final_metric": value, "final_loss": heldout, "train_loss": train_losses[-1] if train_losses else None,
+            "steps_run": step, "train_s": train_s, "eval_s": eval_s,
+            "step_s": train_s / step if step else None, "picked": picked}
+
+
+def worker(cfg, network, rank, world, emit):
+    """Every convergence cell of this launch (one network, one P), in config order."""
+    for model_name in cfg["models"]:
+        net0, spec = fresh_model(model_name)
+        numel = sum(p.numel() for p in net0.parameters())
+        task = make_task(spec, rank, world, cfg["batch_size"], cfg["eval_samples"])
+        for cell in cfg["algorithms"]:
+            res = run_cell(cell, cfg, model_name, task, rank, world)
+            emit({"kind": "convergence", "network": network, "world_size": world, "model": model_name,
+                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                  "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
+                  "lr": cfg.get("lr"), **res})

@@ -1,0 +1,326 @@
+"""The benchmark's reports: the summary rows, the tables, auto's score, projections, JSON/CSV and plots."""
+import csv
+import json
+import os
+import statistics
+import sys
+
+from .config import BASELINES, STRAGGLER_RANK
+
+
+def cycle_median(values, cycle=1):
+    """Median over whole cycles of the per-cycle mean: a per-step figure that counts a periodic
+    algorithm's communication step (a plain per-step median would drop it as an outlier)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    cycle = max(1, int(cycle))
+    if len(values) < cycle:
+        return statistics.fmean(values)
+    chunks = [values[i:i + cycle] for i in range(0, len(values) - cycle + 1, cycle)]
+    return statistics.median(statistics.fmean(ch) for ch in chunks)
+
+
+def _ddp_baseline(cells, c):
+    """The DDP cell ``c`` is compared with: same network, P, model and straggler condition; the same
+    optimizer if the matrix measured DDP with it, else the first plain DDP cell of that group."""
+    group = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
+             and d["world_size"] == c["world_size"] and d["model"] == c["model"]
+             and d.get("straggler", "none") == c.get("straggler", "none")]
+    same = [d for d in group if d.get("optimizer", "sgd") == c.get("optimizer", "sgd")]
+    return (same or group or [None])[0]
+
+
+def _cell_figures(c):
+    """step_s, samples_per_s, each rank's median step time and the non-stragglers' median of a cell."""
+    cyc = c.get("cycle", 1)
+    step = cycle_median(c["times"], cyc)
+    rank_s = [cycle_median(ts, cyc) for ts in c.get("rank_times") or []]
+    straggler = c.get("straggler", "none")
+    others = [t for r, t in enumerate(rank_s) if t is not None and not (straggler != "none" and r == STRAGGLER_RANK)]
+    fast = statistics.median(others) if others else None
+    if c.get("asynchronous") and rank_s and all(rank_s):
+        samples = c["batch_size"] * sum(1.0 / t for t in rank_s)  # no rank waits for the others
+    else:
+        samples = c["world_size"] * c["batch_size"] / step
+    return step, samples, (rank_s or None), fast
+
+
+def summarize(records):
+    """Turn raw records into one row per cell with medians (over whole cycles) and ratios."""
+    cells = [r for r in records if r["kind"] == "cell"]
+    rows = []
+    for c in cells:
+        cyc = c.get("cycle", 1)
+        step, samples, rank_s, fast = _cell_figures(c)
+        world = c["world_size"]
+        straggler = c.get("straggler", "none")
+        ddp = _ddp_baseline(cells, c)
+        ddp_samples = _cell_figures(ddp)[1] if ddp else None
+        wait = cycle_median(c["waits"], cyc)
+        busy = cycle_median(c["busy"], cyc)
+        # bagua_lite's own counter sees our collectives only; DDP's bytes show on emulated links' counters.
+        counted = cycle_median(c["bytes"], cyc) if c["bytes"] and c["algorithm"] not in BASELINES else None
+        # with a straggler the step includes its sleep: that is not communication
+        comm_s = max(0.0, step - c["floor_s"]) if straggler == "none" else None
+        hidden = None
+        if busy:
+            hidden = max(0.0, min(1.0, 1.0 - (wait or 0.0) / busy))
+        pred = c.get("prediction") or {}
+        pred_step = pred.get("step_s")
+        rows.append({
+            "network": c["network"], "world_size": world, "model": c["model"], "algorithm": c["label"],
+            "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "straggler": straggler,
+            "asynchronous": bool(c.get("asynchronous", False)),
+            "step_s": step, "fast_s_per_step": fast, "rank_s_per_step": rank_s,
+            "steps_measured": len(c["times"]), "samples_per_s": samples,
+            "speedup_vs_ddp": (samples / ddp_samples) if ddp_samples else None,
+            "ddp_baseline": ddp["label"] if ddp else None, "floor_s": c["floor_s"],
+            "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
+            "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),
+            "final_loss": c["loss"], "predicted_step_s": pred_step,
+            "prediction_error": (abs(pred_step - step) / step) if pred_step else None,
+            "picked": c.get("picked"),
+        })
+    return rows
+
+
+def print_table(rows, out=sys.stdout):
+    # Optional columns, shown only where they say something: the straggler condition when the matrix
+    # has more than one, the non-stragglers' s/step when there is a straggler or an asynchronous
+    # algorithm, the optimizer when a row is not SGD.
+    stragglers = list(dict.fromkeys(r["straggler"] for r in rows))
+    show_straggler = len(stragglers) > 1
+    show_fast = any(r["straggler"] != "none" or r["asynchronous"] for r in rows)
+    show_opt = any(r["optimizer"] != "sgd" for r in rows)
+    hdr = (f"{'network':<9}{'P':>3} {'model':<9} " + (f"{'straggler':<10}" if show_straggler else "")
+           + f"{'algorithm':<34}" + (f"{'optim':<6}" if show_opt else "") + f"{'s/step':>8}"
+           + (f"{'fast':>7}" if show_fast else "")
+           + f"{'samples/s':>10}{'vs DDP':>8}"
+           f"{'floor':>7}{'exposed':>8}{'hidden':>7}{'MB/step':>9}{'loss':>8}{'pred':>7}{'err':>6}")
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+    def fmt(v, f):
+        return format("-", f[0] + f[1:].split(".")[0].rstrip("%")) if v is None else format(v, f)
+
+    for r in rows:
+        mb = r["bytes_per_step_wire"] if r["bytes_per_step_wire"] is not None else r["bytes_per_step_counted"]
+        print(f"{r['network']:<9}{r['world_size']:>3} {r['model']:<9} "
+              + (f"{r['straggler'][:9]:<10}" if show_straggler else "")
+              + f"{r['algorithm'][:33]:<34}" + (f"{r['optimizer']:<6}" if show_opt else "")
+              + f"{r['step_s']:>8.3f}" + (fmt(r["fast_s_per_step"], ">7.3f") if show_fast else "")
+              + f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
+              f"{fmt(r['comm_exposed_s'], '>8.3f')}{fmt(r['hidden_share'], '>7.0%')}"
+              f"{fmt(None if mb is None else mb / 1e6, '>9.2f')}"
+              f"{r['final_loss']:>8.3f}{fmt(r['predicted_step_s'], '>7.3f')}{fmt(r['prediction_error'], '>6.0%')}",
+              file=out)
+    print("MB/step: bytes this rank sent per step (network namespace counter on emulated links, bagua_lite's "
+          "own counter on loopback; '-' prediction: no model). hidden: share of engine time overlapped with "
+          "backward.", file=out)
+    if show_fast:
+        print(f"s/step: the slowest rank's; fast: the median rank other than the straggler (rank {STRAGGLER_RANK}). "
+              "straggler 'half': rank 0 sleeps as long as each of its steps took. Asynchronous algorithms' "
+              "samples/s add up every rank's own rate.", file=out)
+    if not show_straggler and stragglers != ["none"]:
+        print(f"every row ran with straggler condition {stragglers[0]!r}", file=out)
+
+
+def auto_report(rows, out=sys.stdout):
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"], r["straggler"]), []).append(r)
+    hits, total = 0, 0
+    for key, rs in groups.items():
+        autos = [r for r in rs if r["name"] == "auto"]
+        others = [r for r in rs if r["name"] != "auto"]
+        if not autos or not others:
+            continue
+        best = min(others, key=lambda r: r["step_s"])
+        ok = autos[0]["step_s"] <= 1.1 * best["step_s"]
+        hits += ok
+        total += 1
+        where = f"{key[0]} P={key[1]} {key[2]}" + (f" straggler={key[3]}" if key[3] != "none" else "")
+        print(f"auto on {where}: picked {autos[0]['picked']}, {autos[0]['step_s']:.3f} s/step; "
+              f"best measured {best['algorithm']} {best['step_s']:.3f} s/step -> {'within' if ok else 'NOT within'} 10%",
+              file=out)
+    if total:
+        print(f"auto's pick within 10% of the best measured algorithm in {hits}/{total} cells", file=out)
+
+
+def projection_report(records, world_sizes, out=sys.stdout):
+    from .. import cost_model
+
+    nets = {(r["network"], r["world_size"]): r for r in records if r["kind"] == "network"}
+    floors = {(r["network"], r["world_size"], r["model"]): r for r in records if r["kind"] == "floor"}
+    algs = {}
+    for r in records:
+        if r["kind"] == "cell":
+            algs[r["label"]] = (r["algorithm"], r["options"])
+    result = []
+    for (network, P, model), fl in sorted(floors.items()):
+        nr = nets[(network, P)]
+        # A projection is to a real cluster: links between hosts (host_local off), this rank's compute
+        net = cost_model.Network(alpha=nr["alpha"], beta=nr["beta"])
+        machine = cost_model.Machine(**nr["machine"])
+        work = cost_model.Workload(numel=fl["numel"], compute_s=fl["step_s"], bucket_numels=fl.get("bucket_numels"))
+        cands = [(n, o) for n, o in algs.values() if n in cost_model.PREDICTABLE]
+        proj = cost_model.project(cands, world_sizes, work, net, machine)
+        print(f"\nprojection for {model} on {network} (alpha={net.alpha * 1e6:.1f} us, "
+              f"beta={1 / max(net.beta, 1e-30) * 8 / 1e9:.2f} Gbit/s, compute {fl['step_s']:.3f} s, measured at P={P}):",
+              file=out)
+        for p in proj:
+            p.update(network=network, model=model)
+            result.append(p)
+        _projection_table(proj, out)
+    return result
+
+
+def _projection_table(proj, out):
+    """Algorithms as rows, cluster sizes as columns, 's/step (speed-up over DDP)' per cell; the raw
+    figures (comm, bytes, auto's pick) stay in results.json."""
+    sizes = sorted({p["world_size"] for p in proj})
+    rows = {}
+    for p in proj:
+        cell = f"{p['step_s']:.3g} ({p['speedup_vs_ddp']:.2f}x)"
+        if p.get("picked"):
+            cell += f" {p['picked'].split('(')[0]}"
+        rows.setdefault(p["algorithm"], {})[p["world_size"]] = cell
+    width = max([len(a) for a in rows] + [9])
+    cols = {P: max([len(r.get(P, "")) for r in rows.values()] + [len(f"P={P}")]) for P in sizes}
+    print("  " + "algorithm".ljust(width) + "".join(f"  {f'P={P}':>{cols[P]}}" for P in sizes), file=out)
+    for alg, cells in rows.items():
+        print("  " + alg.ljust(width) + "".join(f"  {cells.get(P, '-'):>{cols[P]}}" for P in sizes), file=out)
+
+
+def write_outputs(rows, projections, out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"rows": rows, "projections": projections}, f, indent=2)
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
+        return
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rs = [r for r in rows if r["model"] == model]
+        def where(r):
+            return f"{r['network']} P={r['world_size']}" + (f" straggler={r['straggler']}"
+                                                              if r["straggler"] != "none" else "")
+        nets = list(dict.fromkeys(where(r) for r in rs))
+        algs = list(dict.fromkeys(r["algorithm"] for r in rs))
+        width = 0.8 / max(1, len(nets))
+        for i, net in enumerate(nets):
+            vals = []
+            for a in algs:
+                m = [r for r in rs if r["algorithm"] == a and where(r) == net]
+                vals.append(m[0]["samples_per_s"] if m else 0)
+            ax.bar([j + i * width for j in range(len(algs))], vals, width, label=net)
+        ax.set_xticks([j + width * (len(nets) - 1) / 2 for j in range(len(algs))])
+        ax.set_xticklabels([a[:22] for a in algs], rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"throughput, {model}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "throughput.png"), dpi=110)
+
+
+
+# ---- convergence mode -----------------------------------------------------------------------------------------
+def summarize_convergence(records):
+    """One row per convergence cell; ``speedup_vs_ddp`` compares times to target with the plain DDP cell
+    (same optimizer if measured) of the same network, P and model, when both reached it."""
+    cells = [r for r in records if r["kind"] == "convergence"]
+    rows = []
+    for c in cells:
+        ddp = _ddp_baseline(cells, c)
+        ours, base = c["time_to_target_s"], ddp["time_to_target_s"] if ddp else None
+        rows.append({
+            "network": c["network"], "world_size": c["world_size"], "model": c["model"], "algorithm": c["label"],
+            "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "metric": c["metric"],
+            "target": c["target"], "steps_to_target": c["steps_to_target"], "time_to_target_s": ours,
+            "final_metric": c["final_metric"], "final_loss": c["final_loss"], "step_s": c["step_s"],
+            "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
+            "speedup_vs_ddp": (base / ours) if ours and base else None,
+            "ddp_baseline": ddp["label"] if ddp else None, "picked": c.get("picked"), "curve": c["curve"],
+        })
+    return rows
+
+
+def _by_time_to_target(r):
+    """Reached first, by time; then the rest, best final metric first."""
+    sign = -1 if r["metric"] == "accuracy" else 1
+    if r["time_to_target_s"] is not None:
+        return (0, r["time_to_target_s"])
+    return (1, sign * r["final_metric"])
+
+
+def print_convergence_table(rows, out=sys.stdout):
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    for (network, P, model), rs in groups.items():
+        metric, target = rs[0]["metric"], rs[0]["target"]
+        print(f"\n{model} on {network}, P={P}: time to held-out {metric} {'>=' if metric == 'accuracy' else '<='} "
+              f"{target} (training wall time, evaluations excluded)", file=out)
+        hdr = (f"{'algorithm':<34}{'time to target':>15}{'steps':>7}{'vs DDP':>8}{'s/step':>8}"
+               f"{'final ' + metric:>16}{'steps run':>10}")
+        print(hdr, file=out)
+        print("-" * len(hdr), file=out)
+        for r in sorted(rs, key=_by_time_to_target):
+            t = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f} s"
+            n = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+            v = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}"
+            print(f"{r['algorithm'][:33]:<34}{t:>15}{n:>7}{v:>8}{r['step_s']:>8.4f}{r['final_metric']:>16.4f}"
+                  f"{r['steps_run']:>10}", file=out)
+    print("'-': the target was not reached within the budget. vs DDP: DDP's time to target over this row's. "
+          "Evaluated: the average of the replicas (rank 0's model for synchronous algorithms).", file=out)
+
+
+def write_convergence_outputs(rows, out_dir):
+    """results.json (with every evaluation's [step, seconds, metric, loss]), results.csv (without the
+    curves) and one ``convergence_<model>.png`` per model: the metric against training seconds, one panel
+    per network and P, one line per algorithm. Returns the names of the plots written."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"mode": "convergence", "rows": rows}, f, indent=2)
+    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
+        fields = [k for k in rows[0] if k != "curve"]
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
+        return []
+    written = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        rs = [r for r in rows if r["model"] == model]
+        panels = list(dict.fromkeys((r["network"], r["world_size"]) for r in rs))
+        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+        for ax, (network, P) in zip(axes[0], panels):
+            for r in (r for r in rs if (r["network"], r["world_size"]) == (network, P)):
+                ax.plot([c[1] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["algorithm"][:30])
+            ax.axhline(rs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
+            ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
+            ax.set_ylabel(f"held-out {rs[0]['metric']}")
+            ax.set_title(f"{model}, {network}, P={P}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        name = f"convergence_{model}.png"
+        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        plt.close(fig)
+        written.append(name)
+    return written

@@ -1,0 +1,480 @@
+"""Compare algorithms side by side, against PyTorch DDP measured in the same run.
+
+    python -m bagua_lite.bench --config configs/benchmark.yaml [--project 16,32,128,1024] [--out bench_out]
+
+On one machine it launches the ranks itself: for every network condition in the YAML (``loopback``, or
+an emulated link such as ``1gbit``: each rank in its own network namespace, veth pairs on a bridge,
+``tc tbf`` rate limits; needs root) and every world size, P worker processes train every model with
+every algorithm, under every straggler condition. Under ``torchrun`` (RANK/WORLD_SIZE set) it measures on
+the real cluster instead.
+
+Per cell: samples/s, speed-up over DDP, time split (compute floor, compression, communication, hidden
+share), bytes sent per step per rank, final training loss, and the alpha-beta cost model's prediction.
+Outputs: a table, ``results.json``, ``results.csv`` and ``throughput.png`` in ``--out``.
+
+``mode: convergence`` in the YAML measures time to accuracy instead (``bench/convergence.py``): every
+algorithm trains the model's task to a held-out target; rows get ``steps_to_target``,
+``time_to_target_s``, ``final_metric`` and ``step_s``; plots ``convergence_<model>.png``. The configuration
+keys are described in ``bench/config.py``.
+
+The matrix (YAML), besides world sizes, networks, models and step counts:
+
+``algorithms``   entries ``name`` or ``{name: ..., <the algorithm's options>, label: ..., optimizer: ...}``.
+                 ``optimizer`` (taken by the benchmark, never passed to the algorithm) is one of
+                 ``sgd`` (default: SGD, lr 0.01, momentum 0.9), ``adam`` (Adam, lr 1e-3) or ``adamw``
+                 (AdamW, lr 1e-3, weight decay 0.01); the DDP baselines take it too, so an algorithm that
+                 needs Adam (qadam) is compared with ``{name: ddp, optimizer: adam}``. The compute floor
+                 always uses SGD. A row's ``optimizer`` is printed (an ``optim`` column) when any row is
+                 not SGD, and a default label ends in ``[adam]``/``[adamw]``.
+``stragglers``   a matrix axis, default ``[none]``. ``half``: rank 0 runs at half speed. Rule: after each
+                 of its steps (warm-up ones too) rank 0 sleeps (``time.sleep``, no CPU burnt) for as long
+                 as that step's own forward + backward + communication + optimizer step took. The sleep
+                 is taken at the start of its next step, after the benchmark's per-step barrier and
+                 inside the timed step, so that the other ranks of a synchronous algorithm wait for it
+                 in that step's collectives, as in training, and not in the (untimed) barrier. The last
+                 step's sleep is dropped. The cost model knows no stragglers: such rows have no
+                 prediction, and no "exposed" communication (the step includes the sleep).
+
+How a cell is timed: a synchronous algorithm (and every DDP baseline) starts each step with a barrier;
+after it the ranks exchange their step times (one allreduce of P numbers), so all agree on when the
+cell has measured enough (``steps``, ``min_cell_s``, ``max_steps``, whole cycles). An asynchronous
+algorithm (``Algorithm.asynchronous``) would be synchronised by that, hiding what it buys: its ranks
+start together (one barrier), then each runs exactly ``max_steps`` measured steps (rounded to whole
+cycles) with no per-step collective, recording its own step times; one allreduce of a P x steps tensor
+after the last step exchanges them, and every rank then closes the model (the algorithm's close ends its
+background work collectively).
+
+Row fields (``results.json``/``.csv``), among others: ``step_s`` the s/step of the slowest rank (per step
+for synchronous algorithms; for asynchronous ones the rank with the largest median), ``rank_s_per_step``
+each rank's own median (over whole cycles) step time, ``fast_s_per_step`` the median of those over the
+ranks other than the straggler (all ranks with no straggler), ``straggler``, ``optimizer``,
+``asynchronous``, ``samples_per_s`` (P x batch / step_s; an asynchronous algorithm: the sum of every
+rank's own rate, batch / rank_s_per_step, since no rank waits for the others) and ``speedup_vs_ddp``
+(samples/s over that of the DDP row, named in ``ddp_baseline``, of the same network, P, model and
+straggler condition, with the same optimizer if the matrix has such a DDP row, else plain DDP).
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from .config import BASELINES, STRAGGLER_RANK, load_benchmark_config, make_optimizer
+from .data import loss_fn, make_batches
+from .report import (auto_report, cycle_median, print_convergence_table, print_table, projection_report, summarize,
+                     summarize_convergence, write_convergence_outputs, write_outputs)
+from .zoo import fresh_model
+
+
+# ---- one rank -----------------------------------------------------------------------------------------------
+def _tx_bytes():
+    """Bytes this network namespace sent on its non-loopback interfaces (None on plain loopback)."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+def wrap(cell, cfg, net):
+    """(model to call, our DistributedModel or None for a DDP baseline, optimizer) of one cell.
+
+    The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm that applies
+    momentum itself (gtopk/topk's ``momentum_correction``, as in ``bagua_lite.demo``)."""
+    import bagua_lite
+    from bagua_lite.demo import optimizer_momentum
+
+    name, options = cell["name"], cell["options"]
+    kind = cell.get("optimizer", "sgd")
+    if name not in BASELINES:
+        from bagua_lite.algorithms import build
+
+        algorithm = build(name, **options)
+        opt = make_optimizer(kind, net.parameters(), cfg.get("lr"), optimizer_momentum(algorithm))
+        # Every rank built the same seeded model, so the start-up broadcast (DDP always does one; neither
+        # is timed) is skipped: it costs seconds per cell on a slow emulated link.
+        wrapper = bagua_lite.DistributedModel(net, opt, algorithm=algorithm,
+                                              bucket_size_mb=cfg["bucket_size_mb"], broadcast_parameters=False)
+        return wrapper, wrapper, opt
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    opt = make_optimizer(kind, net.parameters(), cfg.get("lr"))
+    # powerSGD_hook with several buckets on gloo crashes (its per-bucket callbacks launch collectives
+    # out of order); it runs reliably with one bucket, so that is how we run it.
+    cap = 4096 if name == "ddp_powersgd" else cfg["bucket_size_mb"]
+    # init_sync=False: every rank built the same seeded model (as for ours, the start-up broadcast is
+    # skipped; neither is timed, it only costs the run seconds on a slow link)
+    model = DDP(net, bucket_cap_mb=cap, init_sync=False)
+    if name == "ddp_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "ddp_powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
+                                            start_powerSGD_iter=2, min_compression_rate=0.5)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return model, None, opt
+
+
+def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
+    """Train ``model_name`` with one algorithm; returns per-step times (every rank's) and counters.
+
+    ``straggler="half"``: rank ``STRAGGLER_RANK`` sleeps, at the start of each step, for as long as its
+    previous step's own work took (see the module docstring). An asynchronous algorithm runs a fixed
+    number of steps with no per-step collective and exchanges the step times once, at the end.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from bagua_lite import comm
+
+    gc.collect()  # the previous cell's model, buffers and DDP reducer are gone before this one is timed
+    net, _ = fresh_model(model_name)
+    name = cell["name"]
+    model, wrapper, opt = wrap(cell, cfg, net)
+    ours = wrapper is not None
+    asynchronous = ours and bool(getattr(wrapper.algorithm, "asynchronous", False))
+    slow = straggler == "half" and rank == STRAGGLER_RANK
+    times, losses, waits, busy, sent, tx = [], [], [], [], [], []
+    rank_times = [[] for _ in range(world)]  # rank_times[r]: rank r's own measured step times
+    own = []  # this rank's (asynchronous: exchanged after the last step)
+    warm = cfg["warmup_steps"]
+    if ours and name == "auto":
+        # timed from the second step of its pick: the probe steps and the switch are set-up, as
+        # start_powerSGD_iter is for the PowerSGD baseline
+        warm = max(warm, int(wrapper.algorithm.probe_steps) + 1)
+    cycle, measure, most = 1, cfg["steps"], cfg["max_steps"]
+    step = 0
+    pending_sleep = 0.0  # the straggler's sleep for its previous step, taken at the start of the next
+    if asynchronous:
+        dist.barrier()  # the ranks start the cell together; no collective of ours after this until the end
+    while step < warm + measure:
+        if step == warm and ours:
+            # A periodic relaxation (local SGD, decentralized with an interval) is timed over whole
+            # cycles, at least two; the summary averages within a cycle and takes the median across.
+            cycle = max(1, int(wrapper.algorithm.cycle))
+            measure = max(measure, 2 * cycle)
+            measure = -(-measure // cycle) * cycle
+            most = max(measure, most // cycle * cycle)
+            if asynchronous:
+                # no rank can tell when the others have measured enough: a fixed count, the same on all
+                measure = most
+        x, y = batches[step % len(batches)]
+        if not asynchronous:
+            dist.barrier()
+        comm.reset_traffic()
+        tx0 = _tx_bytes()
+        wait0 = wrapper.timings["backward_wait_s"] if ours else 0.0
+        if ours:
+            wrapper._engine.reset_stats()
+        t0 = time.perf_counter()
+        if pending_sleep:
+            time.sleep(pending_sleep)
+        t_work = time.perf_counter()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t1 = time.perf_counter()
+        dt = t1 - t0
+        if slow:
+            pending_sleep = t1 - t_work  # this step's own compute + communication, without the sleep
+        if step >= warm:
+            if asynchronous:
+                own.append(dt)
+            else:
+                # Every rank's time of this step, known to every rank, so that all of them agree on
+                # when the cell has measured enough (the slowest rank's time decides).
+                per = torch.zeros(world, dtype=torch.float64)
+                per[rank] = dt
+                dist.all_reduce(per)
+                for r, t in enumerate(per.tolist()):
+                    rank_times[r].append(t)
+                times.append(max(per.tolist()))
+            losses.append(float(loss.detach()))
+            if ours:
+                waits.append(wrapper.timings["backward_wait_s"] - wait0)
+                busy.append(wrapper._engine.stats()["busy_seconds"])
+            sent.append(comm.bytes_sent())
+            tx1 = _tx_bytes()
+            tx.append(None if tx0 is None else tx1 - tx0)
+        step += 1
+        # Cheap cells measure more steps (at least min_cell_s of measured time, whole cycles, at most
+        # max_steps), so that their medians are as steady as those of the slow cells.
+        if (not asynchronous and step == warm + measure and measure + cycle <= most
+                and sum(times) < cfg["min_cell_s"]):
+            measure += cycle
+    if asynchronous:
+        # One exchange after the cell (every rank measured the same number of steps): rank r's row.
+        per = torch.zeros(world, len(own), dtype=torch.float64)
+        per[rank] = torch.tensor(own, dtype=torch.float64)
+        dist.all_reduce(per)
+        rank_times = per.tolist()
+        # The cell's step time is the slowest rank's (the one with the largest median); ranks' steps are
+        # not aligned, so a per-step maximum would mean nothing.
+        times = max(rank_times, key=lambda ts: cycle_median(ts, cycle))
+    picked = None
+    if ours:
+        picked = getattr(wrapper.algorithm, "picked", None)
+        picked = repr(picked) if picked is not None else None
+        wrapper.close()  # on every rank: an asynchronous algorithm ends its background work collectively
+    return {"times": times, "rank_times": rank_times, "loss": losses[-1] if losses else float("nan"),
+            "waits": waits, "busy": busy, "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle,
+            "asynchronous": asynchronous}
+
+
+def _compute_floor(model_name, batches, cfg):
+    """Per-step time with no communication at all (every rank computing at once, as in training)."""
+    import torch
+    import torch.distributed as dist
+
+    net, _ = fresh_model(model_name)
+    opt = make_optimizer("sgd", net.parameters())  # the floor keeps SGD whatever the cells use
+    times = []
+    # Timed like a cell (the slowest rank per step, then the median), over at least 8 steps: it is cheap,
+    # and every prediction and "exposed" figure of the model is measured against it.
+    for step in range(cfg["warmup_steps"] + max(8, cfg["steps"])):
+        x, y = batches[step % len(batches)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss_fn(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= cfg["warmup_steps"]:
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def worker_main(cfg, network, result_path):
+    """Runs on every rank (spawned by the launcher or under torchrun); rank 0 appends JSON lines.
+
+    Joins the default process group from the environment, unless one exists already (then it is left
+    as it was found: the tests run the matrix on their own gloo group).
+    """
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")))
+    from .. import runtime
+    # Before anything is measured: the floor, the DDP baselines and our algorithms share one allocator.
+    tuned = runtime.tune_cpu_allocator()
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def emit(record):
+        if rank == 0:
+            with open(result_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    if cfg["mode"] == "convergence":
+        from . import convergence
+
+        convergence.worker(cfg, network, rank, world, emit)
+        if owned:
+            dist.destroy_process_group()
+        return
+    from .. import cost_model
+
+    net = cost_model.probe_network()
+    machine = cost_model.calibrate_machine()
+
+    emit({"kind": "network", "network": network, "world_size": world, "alpha": net.alpha, "beta": net.beta,
+          "host_local": net.host_local,
+          "machine": machine.__dict__, "malloc_tuned": tuned})
+    for model_name in cfg["models"]:
+        model0, spec = fresh_model(model_name)
+        numel = sum(p.numel() for p in model0.parameters())
+        batches = make_batches(spec, cfg["batch_size"], cfg["warmup_steps"] + cfg["max_steps"], rank)
+        floor = _compute_floor(model_name, batches, cfg)
+        from ..bucket import plan_model_buckets  # the buckets DistributedModel will make
+        bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
+        emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
+              "step_s": floor, "bucket_numels": bucket_numels})
+        for straggler in cfg["stragglers"]:
+            for cell in cfg["algorithms"]:
+                res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
+                work = cost_model.Workload(numel=numel, compute_s=floor, bucket_numels=bucket_numels)
+                if straggler != "none":
+                    pred = {"skipped": "the cost model knows no stragglers"}
+                else:
+                    try:
+                        pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
+                    except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
+                        pred = {"error": str(e)}
+                emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
+                      "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                      "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": floor,
+                      "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
+    if owned:
+        dist.destroy_process_group()
+
+
+# ---- launcher --------------------------------------------------------------------------------------------------
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_last_progress = [None]
+
+
+def _progress(done, total, label, width=30):
+    """A progress bar on a terminal; one line per change otherwise (CI logs)."""
+    if _last_progress[0] == (done, label):
+        return
+    _last_progress[0] = (done, label)
+    filled = int(width * done / max(1, total))
+    bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:60]}"
+    sys.stderr.write(f"\r{bar:<100}" if sys.stderr.isatty() else bar + "\n")
+    sys.stderr.flush()
+
+
+def launch(cfg, config_path, network, world_size, result_path, total):
+    """Start ``world_size`` workers for one network condition; wait, showing progress."""
+    from . import netem
+
+    threads = os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")
+    env_base = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                    BAGUA_LITE_BENCH_NETWORK=network, OMP_NUM_THREADS=threads,
+                    BAGUA_LITE_BENCH_THREADS=threads)
+    port = _free_port()
+    emu = None
+    try:
+        rate = netem.NETWORKS[network]
+        if rate is not None:
+            emu = netem.EmulatedNetwork(world_size, rate).__enter__()
+            master = emu.address(0)
+        else:
+            master = "127.0.0.1"
+        procs = []
+        for r in range(world_size):
+            env = dict(env_base, RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR=master, MASTER_PORT=str(port))
+            argv = [sys.executable, "-m", "bagua_lite.bench", "--config", config_path, "--worker",
+                    "--network", network, "--result-file", result_path]
+            if emu is not None:
+                env["GLOO_SOCKET_IFNAME"] = emu.interface(r)
+                argv = emu.command(r, argv)
+            procs.append(subprocess.Popen(argv, env=env))
+        deadline = time.monotonic() + cfg["timeout_s"] * 2
+        while any(p.poll() is None for p in procs):
+            cells = _count_cells(result_path)
+            _progress(cells, total, f"{network} P={world_size}")  # the file holds every launch's cells
+            failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"benchmark: workers for network={network} P={world_size} failed "
+                                   f"(exit codes {failed}) or timed out; see their output above")
+            time.sleep(0.5)
+        bad = [p.returncode for p in procs if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"benchmark: workers for network={network} P={world_size} exited with {bad}")
+    finally:
+        if emu is not None:
+            emu.__exit__(None, None, None)
+
+
+def _count_cells(path):
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for line in f if '"kind": "cell"' in line or '"kind": "convergence"' in line)
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/benchmark.yaml")
+    ap.add_argument("--project", default="", help="comma-separated world sizes to project to, e.g. 16,32,128,1024")
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--network", default="loopback", help=argparse.SUPPRESS)
+    ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    cfg = load_benchmark_config(args.config)
+    project = [int(p) for p in args.project.split(",") if p.strip()] or list(cfg["project"])
+    if project and cfg["mode"] == "convergence":
+        ap.error("--project projects step times: it needs mode throughput, the config says mode convergence")
+
+    if args.worker or ("RANK" in os.environ and "WORLD_SIZE" in os.environ and args.result_file is None):
+        # Under torchrun on a real cluster: measure here; rank 0 writes the results.
+        path = args.result_file or os.path.join(args.out, "records.jsonl")
+        if not args.worker:
+            os.makedirs(args.out, exist_ok=True)
+        worker_main(cfg, os.environ.get("BAGUA_LITE_BENCH_NETWORK", args.network), path)
+        if args.worker:
+            # Results are on disk and the group is destroyed. Skip interpreter teardown: destructors of
+            # leftover DDP/gloo objects at exit can abort a process whose work is already done.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        if int(os.environ["RANK"]) != 0:
+            return
+        records = _read(path)
+    else:
+        from . import netem
+
+        networks = list(cfg["networks"])
+        if any(netem.NETWORKS[n] is not None for n in networks):
+            ok, why = netem.available()
+            if not ok:
+                print(f"benchmark: emulated networks unavailable ({why}); running loopback only", file=sys.stderr)
+                networks = [n for n in networks if netem.NETWORKS[n] is None] or ["loopback"]
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "records.jsonl")
+        if os.path.exists(path):
+            os.unlink(path)
+        per_launch = len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
+        total = per_launch * len(networks) * len(cfg["world_sizes"])
+        t0 = time.monotonic()
+        for network in networks:
+            for P in cfg["world_sizes"]:
+                launch(cfg, args.config, network, P, path, total)
+        _progress(total, total, f"done in {time.monotonic() - t0:.0f} s")
+        sys.stderr.write("\n")
+        records = _read(path)
+    if cfg["mode"] == "convergence":
+        rows = summarize_convergence(records)
+        print_convergence_table(rows)
+        written = write_convergence_outputs(rows, args.out)
+        print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))
+        return
+    rows = summarize(records)
+    print_table(rows)
+    tuned = {r.get("malloc_tuned") for r in records if r["kind"] == "network"}
+    print("allocator: " + ("malloc keeps freed blocks for reuse (bagua_lite.tune_cpu_allocator) in every worker, "
+                           "so the floor, DDP and our algorithms share it" if tuned == {True} else
+                           "glibc defaults (BAGUA_LITE_TUNE_MALLOC=0 or no mallopt)"))
+    auto_report(rows)
+    measured_err = [r["prediction_error"] for r in rows if r["prediction_error"] is not None]
+    if measured_err:
+        by_p = {}
+        for r in rows:
+            if r["prediction_error"] is not None:
+                by_p.setdefault(r["world_size"], []).append(r["prediction_error"])
+        print("cost model error vs measured (median |pred-meas|/meas): "
+              + ", ".join(f"P={p}: {statistics.median(e):.0%}" for p, e in sorted(by_p.items())))
+    projections = projection_report(records, project) if project else []
+    write_outputs(rows, projections, args.out)
+    print(f"wrote {args.out}/results.json, results.csv, throughput.png")
+
+
+if __name__ == "__main__":
+    main()
