@@ -101,7 +101,9 @@ class QAdam(Algorithm):
         p, m = bucket.params[position], bucket.view(position)
         self.fill(bucket, position, grad)  # g (zeros if this rank got none)
         group = self._groups.get(p)
-        if group is None:  # not in the optimizer: its gradient travels as it is
+        if group is None or "exp_avg_sq" not in self.model.optimizer.state.get(p, {}):
+            # not in the optimizer, or no Adam state yet (no rank used it during warm-up): its gradient
+            # travels as it is, and torch's Adam steps it from the average
             return
         if group["weight_decay"] and not self._decoupled(group):
             m.add_(p.detach(), alpha=group["weight_decay"])  # Adam's coupled decay: g + wd * x
@@ -124,8 +126,8 @@ class QAdam(Algorithm):
                 lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
                 beta1, beta2 = (float(b) for b in group["betas"])
                 for p in group["params"]:
-                    if p.grad is None or p not in self._groups:
-                        continue
+                    if p.grad is None or p not in self._groups or "exp_avg_sq" not in optimizer.state.get(p, {}):
+                        continue  # (no Adam state yet: an ordinary Adam step on the averaged gradient)
                     state = self._state(p)
                     state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
                     if self.step == self.warmup_steps or p not in self._denoms:  # the freeze (or a resume)

@@ -1,0 +1,118 @@
+"""What a DDP user's training loop relies on, once per algorithm family, written as the user writes it.
+
+One loop per family (dense, sparse, low-rank, momentum-compressing, decentralized, periodic, asynchronous)
+at P = 3 with: ``model.module`` and DDP's ``state_dict`` keys, a frozen parameter, a parameter no rank
+uses (its ``.grad`` stays None) and one only some ranks use, two forwards before one backward,
+``no_sync()`` gradient accumulation, ``clip_grad_norm_`` between backward and step, AdamW with an LR
+scheduler, and evaluation under ``torch.no_grad()`` on rank 0 only (which must not communicate).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite.algorithms import build
+
+D_IN, HIDDEN, CLASSES = 12, 32, 5
+
+FAMILIES = {
+    "dense": ("gradient_allreduce", {}),
+    "sparse": ("gtopk", {"density": 0.2}),
+    "low_rank": ("powersgd", {"rank": 2}),
+    "momentum": ("qadam", {"warmup_steps": 3}),
+    "decentralized": ("decentralized", {}),
+    "periodic": ("local_sgd", {"period": 2}),
+    "asynchronous": ("async_model_average", {"sync_interval_ms": 20}),
+}
+CENTRALIZED = ("dense", "sparse", "low_rank", "momentum")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN))
+        self.frozen = torch.nn.Linear(HIDDEN, HIDDEN)
+        self.frozen.requires_grad_(False)
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+        self.aux = torch.nn.Linear(HIDDEN, CLASSES)     # used by some ranks only, some steps
+        self.unused = torch.nn.Linear(HIDDEN, CLASSES)  # never used by anyone
+
+    def forward(self, x, use_aux=False):
+        h = torch.relu(self.frozen(torch.relu(self.body(x))))
+        return self.head(h) + self.aux(h) if use_aux else self.head(h)
+
+
+def _batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(rank * 7919 + step * 31 + micro * 7 + 5)
+    x = torch.randn(16, D_IN, generator=g)
+    return x, (x[:, :CLASSES] * 3).argmax(1)
+
+
+def _r_loop(rank, P, family):
+    name, options = FAMILIES[family]
+    net = Net()
+    frozen0 = [p.detach().clone() for p in net.frozen.parameters()]
+    unused0 = [p.detach().clone() for p in net.unused.parameters()]
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+    assert model.module is net
+    ddp_keys = ["module." + k for k in net.state_dict()]  # DDP's state_dict keys
+    out = {"keys_match": list(model.state_dict()) == ddp_keys, "losses": [], "unused_grad_none": [],
+           "aux_grad": []}
+    for step in range(12):
+        # gradient accumulation: one micro-batch under no_sync, the last one synchronised
+        with model.no_sync():
+            x, y = _batch(rank, step, 0)
+            F.cross_entropy(model(x), y).backward()
+        # two forwards before one backward; aux is used by rank 0 only on even steps
+        x1, y1 = _batch(rank, step, 1)
+        x2, y2 = _batch(rank, step, 2)
+        loss = F.cross_entropy(model(x1, use_aux=(rank == 0 and step % 2 == 0)), y1) + F.cross_entropy(model(x2), y2)
+        loss.backward()
+        out["unused_grad_none"].append(all(p.grad is None for p in net.unused.parameters()))
+        out["aux_grad"].append(net.aux.weight.grad is not None)
+        torch.nn.utils.clip_grad_norm_([p for p in net.parameters() if p.requires_grad], max_norm=1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out["losses"].append(float(loss))
+        if rank == 0:  # evaluation on one rank only: must not communicate (peers would hang)
+            with torch.no_grad():
+                model(_batch(0, 999)[0])
+    model.close()
+    out["frozen_unchanged"] = all(torch.equal(a, b) for a, b in zip(frozen0, net.frozen.parameters()))
+    # gradient families leave it bit for bit; weight averaging may round it (sum of P equal values / P)
+    out["unused_unchanged"] = all(torch.equal(a, b) for a, b in zip(unused0, net.unused.parameters()))
+    out["unused_close"] = all(torch.allclose(a, b, rtol=1e-6, atol=0) for a, b in zip(unused0, net.unused.parameters()))
+    out["lr"] = opt.param_groups[0]["lr"]
+    out["weights"] = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return out
+
+
+def _r_all(rank, P):
+    return {family: _r_loop(rank, P, family) for family in FAMILIES}
+
+
+def test_ddp_users_loop_every_family(clusters):
+    P = 3
+    res = clusters.get(P).run(_r_all, timeout=240)
+    for family, (name, _) in FAMILIES.items():
+        outs = [r[family] for r in res]
+        for r, o in enumerate(outs):
+            where = f"{family} ({name}), rank {r}"
+            assert o["keys_match"], f"{where}: state_dict keys differ from DDP's"
+            assert o["frozen_unchanged"], f"{where}: a frozen parameter moved"
+            assert all(o["unused_grad_none"]), f"{where}: a parameter no rank used got a gradient"
+            assert o["unused_unchanged"] if family in CENTRALIZED else o["unused_close"], \
+                f"{where}: a parameter no rank used moved"
+            assert abs(o["lr"] - 3e-3 * 0.5 ** 3) < 1e-12, f"{where}: the LR scheduler did not run: {o['lr']}"
+            assert all(torch.isfinite(torch.tensor(o["losses"]))), where
+            assert sum(o["losses"][-3:]) < sum(o["losses"][:3]), f"{where}: does not learn: {o['losses']}"
+            if family not in ("decentralized", "periodic", "asynchronous"):
+                # aux was used by rank 0 on even steps: every rank gets its averaged gradient then
+                assert o["aux_grad"][0::2] == [True] * 6, (where, o["aux_grad"])
+        if family in CENTRALIZED:
+            assert len({bytes(o["weights"].view(torch.uint8).numpy()) for o in outs}) == 1, \
+                f"{family}: replicas differ"
