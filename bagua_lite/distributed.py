@@ -107,6 +107,9 @@ class DistributedModel(torch.nn.Module):
                 self._slot[p] = (b.index, j)
         self._engine = _C.Engine()
         self._failfast = FailFast(self.rank)
+        self._no_tensor = torch.empty(0)
+        self._step_check_op = functools.partial(self._check_in_step)
+        self._step_check_op.__name__ = "step_count_check"
         self._engine_abandoned = False
         self._nonfinite_error = None
         # before the algorithm's own step hooks (registered in init): a skipped round must stop them too
@@ -254,7 +257,8 @@ class DistributedModel(torch.nn.Module):
 
     def _start_backward(self):
         if not self._backward_active:
-            self._check_in_step()
+            # The step check runs on the engine thread ahead of bucket 0, overlapped with backward.
+            self._engine.submit(-1, self._no_tensor, [self._step_check_op])
             self._backward_active = True
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
@@ -266,16 +270,14 @@ class DistributedModel(torch.nn.Module):
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
-        try:
-            self._failfast.wait_work(dist.all_gather_single(out, mine, group=self.process_group, async_op=True))
-        except PeerFailedError:
-            raise
+        try:  # blocking: a peer that failed in this round's buckets never gets here (they fail fast)
+            dist.all_gather_single(out, mine, group=self.process_group)
         except RuntimeError as e:
             self._failfast.announce(f"a step-control all_gather failed: {e}")
             raise
         return out.view(self.world_size, len(values)).tolist()
 
-    def _check_in_step(self):
+    def _check_in_step(self, _=None):
         """Before any bucket travels: do all ranks enter this round at the same step count?"""
         steps = [r[0] for r in self._gather_ints([self.algorithm.step])]
         if min(steps) != max(steps):
