@@ -1,4 +1,4 @@
-"""Auto: run the relaxation that the alpha-beta cost model predicts fastest for this model, network and P.
+"""Auto: run the relaxation that the cost model predicts reaches the accuracy first for this model, network and P.
 
     set-up:                 network <- probe_network()  (ping-pong between ranks 0 and 1; or the
                                                          ``network`` option, e.g. an emulated link)
@@ -6,13 +6,21 @@
     steps 1..probe_steps:   dense SGD, gradients allreduced after backward (not overlapped);
                             compute <- wall(forward .. optimizer.step) - time in communication
     after the probe:        inputs <- max over ranks            (one decision on every rank)
-                            pick   <- cost_model.choose(candidates, P, workload, network, machine)
-                            log one line: the pick, every candidate's predicted s/step, the inputs
+                            pick   <- cost_model.choose(candidates, P, workload, network, machine,
+                                                        efficiency)   (by time to accuracy, below)
+                            log one line: the pick, every candidate's s/step x efficiency, the inputs
     from then on:           every hook and every bucket's ops are the pick's
 
-``candidates`` run from most to least exact; a candidate within ``tolerance`` of the fastest predicted
-step time is preferred over later ones, so a compute-bound job stays on dense SGD. ``picked`` is the
-chosen :class:`~bagua_lite.Algorithm` (None during the probe), ``decision`` the inputs and predictions.
+Ranked by predicted time to accuracy: each candidate's predicted step time times its statistical
+efficiency, the steps it needs to reach a target over dense SGD's (1.0 for exact dense algorithms).
+Efficiencies, first found wins: the ``efficiency`` option (``{label or name: ratio}``, e.g.
+``{"gtopk(density=0.01)": 1.4, "local_sgd": 0.9}``), then ``efficiency_from`` (the ``results.json`` of a
+benchmark convergence run: ratios of its rows' ``steps_to_target`` to dense's, its rows at this P if it
+has any; see ``cost_model.efficiencies_from_results``), then ``cost_model.DEFAULT_EFFICIENCY`` (measured
+on scikit-learn digits), else 1.0. ``candidates`` run from most to least exact; a candidate within
+``tolerance`` of the best predicted time to accuracy is preferred over later ones, so a compute-bound job
+stays on dense SGD. ``picked`` is the chosen :class:`~bagua_lite.Algorithm` (None during the probe),
+``decision`` the inputs and predictions.
 
 The pick's native engine ops (``bagua_lite._C.AllreduceOp``, ...) run inside auto's per-bucket
 dispatcher through ``Op.run``.
@@ -40,7 +48,7 @@ def _params(n):
 class Auto(Algorithm):
     def __init__(self, candidates: list = cost_model.DEFAULT_AUTO_CANDIDATES, probe_steps: int = 2,
                  tolerance: float = 0.05, network: dict = None, machine: dict = None, compute_s: float = None,
-                 backward_fraction: float = 0.66):
+                 backward_fraction: float = 0.66, efficiency: dict = None, efficiency_from: str = None):
         super().__init__()
         self.candidates = cost_model.normalize_candidates(candidates)
         for name, opts in self.candidates:
@@ -70,6 +78,16 @@ class Auto(Algorithm):
             raise ValueError("auto: probe_steps=0 needs compute_s (nothing is measured)")
         if not 0 <= backward_fraction <= 1:
             raise ValueError(f"auto: backward_fraction must be in [0, 1], got {backward_fraction!r}")
+        self.efficiency_option = cost_model.check_efficiency(efficiency, self.candidates)
+        if efficiency_from is not None:
+            if not isinstance(efficiency_from, str):
+                raise ValueError(f"auto: efficiency_from must be the path of a convergence results.json, "
+                                 f"got {efficiency_from!r}")
+            try:
+                cost_model.efficiencies_from_results(efficiency_from)  # readable, and convergence results
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"auto: efficiency_from {efficiency_from!r}: {e}") from None
+        self.efficiency_from = efficiency_from
         self.probe_steps = probe_steps
         self.tolerance = float(tolerance)
         self.network_option = network
@@ -172,13 +190,15 @@ class Auto(Algorithm):
         work = cost_model.Workload(numel=sum(numels), elem_bytes=model.buckets[0].flat.element_size(),
                                    compute_s=compute_s, backward_fraction=self.backward_fraction,
                                    n_buckets=len(numels), bucket_numels=numels)
-        i, preds = cost_model.choose(self.candidates, model.world_size, work, self.network, machine, self.tolerance)
+        efficiency = self._efficiency(model.world_size)
+        i, preds = cost_model.choose(self.candidates, model.world_size, work, self.network, machine, self.tolerance,
+                                     efficiency)
         name, opts = self.candidates[i]
         self._delegate_to(name, opts)
         self.picked = self.delegate
         self.picked_label = cost_model.label(name, opts)
         self.decision = {"picked": i, "candidates": [[n, o] for n, o in self.candidates],
-                         "predictions": preds, "compute_s": compute_s, "machine": machine.__dict__,
+                         "predictions": preds, "efficiency": efficiency, "compute_s": compute_s, "machine": machine.__dict__,
                          "network": self.network.__dict__, "network_source": self.network_source,
                          "world_size": model.world_size, "bucket_numels": numels, "step": self.step}
         self.decision["line"] = self._line(i, preds, work)
@@ -186,21 +206,37 @@ class Auto(Algorithm):
             log.info(self.decision["line"])
             print(self.decision["line"], flush=True)
 
+    def _efficiency(self, P):
+        """The efficiencies in effect: the results file's (its rows at P if any), under the option's."""
+        table = {}
+        if self.efficiency_from is not None:
+            try:
+                table = cost_model.efficiencies_from_results(self.efficiency_from, world_size=P)
+            except ValueError:
+                table = cost_model.efficiencies_from_results(self.efficiency_from)
+        table.update(self.efficiency_option)
+        return table
+
     def _line(self, i, preds, work):
         labels = [cost_model.label(n, o) for n, o in self.candidates]
-        fastest = min(range(len(preds)), key=lambda j: preds[j]["step_s"])
-        others = ", ".join(f"{labels[j]} {preds[j]['step_s']:.3g}" for j in range(len(preds)) if j != i)
+        best = min(range(len(preds)), key=lambda j: preds[j]["weighted_s"])
+
+        def terms(p):
+            return (f"{p['step_s']:.3g} s/step x efficiency {p['efficiency']:.3g} ({p['efficiency_source']}) "
+                    f"= {p['weighted_s']:.3g}")
+
+        others = "; ".join(f"{labels[j]} {terms(preds[j])}" for j in range(len(preds)) if j != i)
         why = ""
-        if fastest != i:
-            why = (f"; within {self.tolerance:.0%} of the fastest, {labels[fastest]} "
-                   f"{preds[fastest]['step_s']:.3g}, and listed earlier")
+        if best != i:
+            why = (f"; within {self.tolerance:.0%} of the best, {labels[best]} "
+                   f"{preds[best]['weighted_s']:.3g}, and listed earlier")
         probes = ""
         if self._probe_compute:
             probes = " (this rank's probe steps: " + ", ".join(f"{c:.3g}" for c in self._probe_compute) + " s)"
         net = self.network
         gbit = f"{8 / net.beta / 1e9:.3g} Gbit/s" if net.beta > 0 else "inf Gbit/s"
-        return (f"bagua_lite auto: picked {labels[i]}: predicted {preds[i]['step_s']:.3g} s/step"
-                + (f" vs {others}" if others else "") + why
+        return (f"bagua_lite auto: picked {labels[i]}: predicted {terms(preds[i])}, ranked by time to accuracy "
+                f"(s/step x steps to target relative to dense SGD)" + (f"; vs {others}" if others else "") + why
                 + f" (alpha={net.alpha:.3g} s, beta={net.beta:.3g} s/B = {gbit} {self.network_source}, "
                   f"{_params(work.numel)} params, compute {work.compute_s:.3g} s{probes}, P={self.model.world_size})")
 

@@ -119,7 +119,8 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        ``bytes_per_rank()`` refuses it: it needs the step time). ``warmup_step_s``:
                        gradient_allreduce's step.
 ``auto``               whatever :func:`choose` picks from the options' ``candidates`` (with their
-                       ``network`` override if any, as the algorithm does); predicted under ``net``.
+                       ``network`` override and ``efficiency`` if any, as the algorithm does);
+                       predicted under ``net``.
 =====================  ==========================================================================
 
 Options not given take the algorithm's defaults (kept in ``_DEFAULTS``, equal to algorithms/*.py); an
@@ -141,6 +142,13 @@ on those same cores, so nothing hides: ``exposed = compression_s + comm_s``.
 
 Local costs come from :class:`Machine` (per element, measured by :func:`calibrate_machine`).
 
+Time to accuracy: a cheap step is worth nothing if the model needs more of them. :func:`choose` ranks
+candidates by ``step_s * efficiency``, where ``efficiency`` is the candidate's steps to a target accuracy
+over dense SGD's (1.0 for exact dense algorithms; < 1 reaches it in fewer steps). That product is the
+predicted time to accuracy in units of dense SGD's steps to target. Efficiencies come from the caller
+(a mapping label-or-name -> ratio, e.g. :func:`efficiencies_from_results` of the benchmark's convergence
+``results.json``), else from ``DEFAULT_EFFICIENCY`` (measured on scikit-learn digits, see there), else 1.0.
+
 Example::
 
     net = Network(alpha=5e-5, beta=8e-9)                    # 1 Gbit/s
@@ -157,7 +165,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Network", "Machine", "Workload", "probe_network", "calibrate_machine", "predict", "project", "choose",
-           "bytes_per_rank", "label", "normalize_candidates", "PREDICTABLE", "DEFAULT_AUTO_CANDIDATES"]
+           "bytes_per_rank", "label", "normalize_candidates", "efficiency_of", "check_efficiency",
+           "efficiencies_from_results", "PREDICTABLE", "DEFAULT_AUTO_CANDIDATES", "DEFAULT_EFFICIENCY"]
 
 PREDICTABLE: Tuple[str, ...] = ("ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "topk", "gtopk",
                                 "powersgd", "qadam", "decentralized", "low_precision_decentralized", "local_sgd",
@@ -171,6 +180,28 @@ DEFAULT_AUTO_CANDIDATES = (
     {"name": "topk", "options": {"density": 0.001}},
     {"name": "local_sgd"},
 )
+
+#: Steps to 0.95 held-out accuracy measured by the benchmark's convergence mode (configs/
+#: benchmark_convergence.yaml as of issue 11, before its auto cells: the demo's MLP on scikit-learn digits,
+#: P = 4, SGD momentum 0.9, constant lr 0.05, batch 16 per rank, evaluated every 11 steps, budget 330
+#: steps; the same steps on loopback and at 1 Gbit/s). DDP, DDP + fp16 and gradient_allreduce: 154.
+#: None: never reached the target within the budget (topk and gtopk at density 0.01).
+DIGITS_STEPS_TO_TARGET: Dict[str, Optional[int]] = {
+    "gradient_allreduce": 154, "local_sgd": 132, "decentralized": 165, "topk": None, "gtopk": None}
+DIGITS_BUDGET = 330
+
+#: Statistical efficiency (steps to the target over dense SGD's) when the caller gives none, from
+#: ``DIGITS_STEPS_TO_TARGET``: ratio = steps / 154; one that never reached the target gets the penalty
+#: budget / dense = 330 / 154 (a lower bound on its true ratio). A built-in default is never below 1.0:
+#: local SGD's 132 steps (0.86) is one run of one small model, and no relaxation is assumed to need fewer
+#: steps than the exact algorithm it relaxes (with it, auto would leave dense SGD on a compute-bound job,
+#: where nothing is to be saved). Give ``efficiency`` (or your own convergence results) to auto for other
+#: models and recipes. Keys are labels (name and options, as :func:`label` writes them) or names; a
+#: label wins over its name. Not listed (powersgd, qadam, the other compressors, ...): 1.0, "assumed".
+DEFAULT_EFFICIENCY: Dict[str, float] = {
+    name: max(1.0, (steps or DIGITS_BUDGET) / DIGITS_STEPS_TO_TARGET["gradient_allreduce"])
+    for name, steps in DIGITS_STEPS_TO_TARGET.items()}
+DEFAULT_EFFICIENCY["gradient_allreduce(compression=fp16)"] = 1.0  # DDP + fp16_compress_hook: 154 steps too
 
 _MINMAX_HEADER = 8  # two float32: min and max (csrc/kernels/compress.cpp)
 _SIGN_HEADER = 4    # one float32: the mean |x|
@@ -755,10 +786,13 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
     if algorithm == "auto":
         cands = normalize_candidates(options.get("candidates", DEFAULT_AUTO_CANDIDATES))
         pick_net = Network(**options["network"]) if options.get("network") else net
-        i, _ = choose(cands, P, work, pick_net, machine, tolerance=options.get("tolerance", 0.05))
+        i, picks = choose(cands, P, work, pick_net, machine, tolerance=options.get("tolerance", 0.05),
+                          efficiency=check_efficiency(options.get("efficiency"), cands))
         name, opts = cands[i]
         out = predict(name, opts, P, work, net, machine)
         out["picked"] = label(name, opts)
+        out["efficiency"] = picks[i]["efficiency"]
+        out["weighted_s"] = out["step_s"] * out["efficiency"]
         return out
 
     def warmup():  # dense gradient averaging, as gradient_allreduce
@@ -860,19 +894,116 @@ def normalize_candidates(candidates) -> List[Tuple[str, dict]]:
     return out
 
 
-def choose(candidates, P: int, work: Workload, net: Network, machine: Machine,
-           tolerance: float = 0.05) -> Tuple[int, List[dict]]:
-    """Index of the candidate to run and every candidate's prediction.
+def _key(text: str) -> str:
+    return text.replace(" ", "")
 
-    The fastest predicted candidate wins, except that an earlier candidate (the list runs from most
-    to least exact) within ``tolerance`` of the fastest step time is preferred. Deterministic: equal
-    inputs give the same index on every rank.
+
+def check_efficiency(efficiency, candidates=None, who="auto") -> Dict[str, float]:
+    """``efficiency`` as a dict label-or-name -> ratio, or ValueError naming the bad key and what is
+    allowed: keys are strings (with ``candidates``, one of their labels or names), ratios finite numbers
+    > 0 (steps to target over dense SGD's)."""
+    if efficiency is None:
+        return {}
+    if not isinstance(efficiency, dict):
+        raise ValueError(f"{who}: efficiency must be a mapping of algorithm label or name to a ratio "
+                         f"(steps to target / dense SGD's steps), got {efficiency!r}")
+    allowed = None
+    if candidates is not None:
+        cands = normalize_candidates(candidates)
+        allowed = list(dict.fromkeys([label(n, o) for n, o in cands] + [n for n, _ in cands]))
+    out = {}
+    for k, v in efficiency.items():
+        if not isinstance(k, str):
+            raise ValueError(f"{who}: efficiency key {k!r} must be an algorithm label or name (a string)")
+        if allowed is not None and _key(k) not in {_key(a) for a in allowed}:
+            raise ValueError(f"{who}: efficiency key {k!r} names no candidate; allowed: {', '.join(allowed)}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"{who}: efficiency[{k!r}] must be a finite number > 0 (steps to target over "
+                             f"dense SGD's; 1.0 = as dense), got {v!r}")
+        out[_key(k)] = float(v)
+    return out
+
+
+def efficiency_of(name: str, options: Optional[dict] = None, efficiency: Optional[dict] = None) -> Tuple[float, str]:
+    """``(ratio, source)`` of one candidate: the caller's ``efficiency`` (label, then name), then
+    ``DEFAULT_EFFICIENCY`` (label, then name; source ``"digits"``), else ``(1.0, "assumed")``."""
+    given = {_key(k): v for k, v in (efficiency or {}).items()}
+    defaults = {_key(k): v for k, v in DEFAULT_EFFICIENCY.items()}
+    lab = _key(label(name, options))
+    for table, source in ((given, "given"), (defaults, "digits")):
+        for k in (lab, name):
+            if k in table:
+                return float(table[k]), source
+    return 1.0, "assumed"
+
+
+def efficiencies_from_results(results, model: Optional[str] = None, world_size: Optional[int] = None,
+                              network: Optional[str] = None, dense=("ddp", "gradient_allreduce")) -> Dict[str, float]:
+    """Efficiencies from the benchmark's convergence results (``results.json``: a path, its parsed dict,
+    or its ``rows``), keyed by the rows' labels (``algorithm``), and by name where a name has one label.
+
+    Per (network, P, model) cell (restricted to ``model``, ``world_size``, ``network`` when given), the
+    reference is the first row of a ``dense`` algorithm (``ddp``, or ``gradient_allreduce`` with no
+    compression) that reached the target: ratio = steps_to_target / its steps_to_target. A row that never
+    reached the target gets the penalty ``steps_run / dense steps`` (its budget over dense's steps: a lower
+    bound on its true ratio). Over several cells a label gets the median ratio. ``auto`` rows are skipped.
+    Raises ValueError when no cell has a dense row that reached the target.
+    """
+    import json
+
+    if isinstance(results, str):
+        with open(results) as f:
+            results = json.load(f)
+    rows = results.get("rows", results) if isinstance(results, dict) else results
+    if isinstance(results, dict) and results.get("mode", "convergence") != "convergence":
+        raise ValueError(f"efficiencies_from_results: expected convergence results, got mode {results.get('mode')!r}")
+    cells = {}
+    for r in rows:
+        if "steps_to_target" not in r:
+            raise ValueError("efficiencies_from_results: a row has no steps_to_target: not convergence results")
+        if (model is not None and r["model"] != model) or (world_size is not None and r["world_size"] != world_size) \
+                or (network is not None and r["network"] != network) or r.get("name") == "auto":
+            continue
+        cells.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    ratios, names = {}, {}
+    for rs in cells.values():
+        ref = next((r for r in rs if r.get("name") in dense and r["steps_to_target"]
+                    and (r.get("options") or {}).get("compression", "none") == "none"), None)
+        if ref is None:
+            continue
+        for r in rs:
+            steps = r["steps_to_target"] if r["steps_to_target"] is not None else r["steps_run"]
+            ratios.setdefault(_key(r["algorithm"]), []).append(steps / ref["steps_to_target"])
+            names.setdefault(r.get("name", r["algorithm"]), set()).add(_key(r["algorithm"]))
+    if not ratios:
+        raise ValueError("efficiencies_from_results: no cell with a dense row (" + ", ".join(dense)
+                         + ") that reached the target" + (f" for model={model}" if model else "")
+                         + (f" P={world_size}" if world_size else "") + (f" network={network}" if network else ""))
+    out = {k: statistics.median(v) for k, v in ratios.items()}
+    for name, labels in names.items():
+        if len(labels) == 1 and name not in out:
+            out[name] = out[next(iter(labels))]
+    return out
+
+
+def choose(candidates, P: int, work: Workload, net: Network, machine: Machine,
+           tolerance: float = 0.05, efficiency: Optional[dict] = None) -> Tuple[int, List[dict]]:
+    """Index of the candidate to run and every candidate's prediction, ranked by time to accuracy.
+
+    Each prediction gains ``efficiency`` (steps to target over dense SGD's, from :func:`efficiency_of`
+    with the caller's ``efficiency`` mapping), ``efficiency_source`` and ``weighted_s`` = ``step_s *
+    efficiency``, the predicted time to accuracy in units of dense SGD's steps to target. The smallest
+    ``weighted_s`` wins, except that an earlier candidate (the list runs from most to least exact) within
+    ``tolerance`` of it is preferred. Deterministic: equal inputs give the same index on every rank.
     """
     cands = normalize_candidates(candidates)
     preds = [predict(name, opts, P, work, net, machine) for name, opts in cands]
-    best = min(p["step_s"] for p in preds)
+    for (name, opts), p in zip(cands, preds):
+        p["efficiency"], p["efficiency_source"] = efficiency_of(name, opts, efficiency)
+        p["weighted_s"] = p["step_s"] * p["efficiency"]
+    best = min(p["weighted_s"] for p in preds)
     for i, p in enumerate(preds):
-        if p["step_s"] <= best * (1 + tolerance):
+        if p["weighted_s"] <= best * (1 + tolerance):
             return i, preds
     raise AssertionError("unreachable")
 

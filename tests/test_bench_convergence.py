@@ -184,3 +184,68 @@ def test_convergence_mode_end_to_end(tmp_path):
         got = list(csv.DictReader(f))
     assert len(got) == 3 and "curve" not in got[0] and "time_to_target_s" in got[0]
     assert (out / "convergence_mlp_digits.png").stat().st_size > 1000
+
+
+# ---- auto as a convergence cell --------------------------------------------------------------------------------
+def _row(name, t, network="loopback", P=4, picked=None):
+    return {"network": network, "world_size": P, "model": "mlp_digits", "name": name, "algorithm": name,
+            "time_to_target_s": t, "picked": picked}
+
+
+def test_auto_vs_best_counts_cells_within_ten_percent():
+    import io
+
+    from bagua_lite.bench.report import auto_convergence_report
+    rows = [_row("ddp", 1.0), _row("local_sgd", 0.5), _row("auto", 0.54, picked="local_sgd"),   # within
+            _row("ddp", 1.0, "1gbit"), _row("local_sgd", 0.5, "1gbit"), _row("auto", 0.56, "1gbit"),  # 12% over
+            _row("ddp", 1.0, P=2), _row("auto", None, P=2),                                            # not reached
+            _row("ddp", 2.0, "1gbit", 2)]                                                              # no auto row
+    out = io.StringIO()
+    assert auto_convergence_report(rows, out) == (1, 3)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("auto vs best on loopback P=4 mlp_digits: auto (picked local_sgd) 0.54 s to target; "
+                        "best measured local_sgd 0.50 s -> within 10%")
+    assert lines[1].endswith("best measured local_sgd 0.50 s -> NOT within 10%")
+    assert "auto (picked ?) not reached to target" in lines[2] and lines[2].endswith("NOT within 10%")
+    assert lines[3] == ("auto vs best: auto's time to target within 10% of the best measured algorithm's "
+                        "in 1/3 cells")
+
+
+AUTO_SMOKE = """
+mode: convergence
+world_sizes: [2]
+networks: [loopback]
+models: [mlp_digits]
+batch_size: 16
+bucket_size_mb: 1
+lr: 0.05
+target: 0.7
+max_steps: 60
+eval_every: 10
+algorithms: [gradient_allreduce, local_sgd, {name: auto, candidates: [gradient_allreduce, local_sgd]}]
+"""
+
+
+def test_auto_runs_as_a_convergence_cell_and_is_judged(tmp_path):
+    cfg = tmp_path / "conv.yaml"
+    cfg.write_text(AUTO_SMOKE)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench", "--config", str(cfg), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    auto = next(r for r in rows if r["name"] == "auto")
+    # it probed, calibrated, decided by time to accuracy, delegated, and trained to the target
+    assert auto["picked"] in ("gradient_allreduce", "local_sgd")
+    assert "ranked by time to accuracy" in auto["decision"] and "x efficiency" in auto["decision"]
+    assert auto["decision"] in proc.stdout
+    assert auto["steps_to_target"] is not None and auto["final_metric"] >= 0.7
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("auto vs best")]
+    assert len(lines) == 2, proc.stdout
+    assert lines[0].startswith(f"auto vs best on loopback P=2 mlp_digits: auto (picked {auto['picked']}) ")
+    best = min((r for r in rows if r["name"] != "auto" and r["time_to_target_s"] is not None),
+               key=lambda r: r["time_to_target_s"])
+    assert f"best measured {best['algorithm']} {best['time_to_target_s']:.2f} s" in lines[0]
+    within = auto["time_to_target_s"] <= 1.1 * best["time_to_target_s"]
+    assert lines[0].endswith("-> within 10%" if within else "-> NOT within 10%")
+    assert lines[1].endswith(f"in {int(within)}/1 cells")

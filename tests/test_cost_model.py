@@ -182,6 +182,11 @@ def test_more_bandwidth_is_faster():
             sent = [cm.predict(name, o, 8, WORK, cm.Network(5e-5, beta), MACHINE)["bytes_per_rank"]
                     for beta in (1e-7, 1e-8, 1e-9)]
             assert 0 < sent[0] < sent[1] < sent[2], f"{name}{o}: {sent}"
+        elif name == "auto":  # auto minimises time to accuracy (step x efficiency), not the step alone
+            preds = [cm.predict(name, o, 8, WORK, cm.Network(5e-5, beta), MACHINE) for beta in (1e-7, 1e-8, 1e-9)]
+            weighted = [p["weighted_s"] for p in preds]
+            assert weighted[0] > weighted[1] > weighted[2], f"{name}{o}: {weighted}"
+            assert all(p["weighted_s"] == pytest.approx(p["step_s"] * p["efficiency"]) for p in preds)
         else:
             assert steps[0] > steps[1] > steps[2], f"{name}{o}: {steps}"
         keys = cm.predict(name, o, 8, WORK, cm.Network(5e-5, 1e-8), MACHINE)
@@ -208,10 +213,14 @@ def test_gtopk_grows_with_log_p_and_topk_with_p():
 
 def test_auto_prediction_and_choice():
     slow, fast = cm.Network(5e-5, 8e-9), cm.Network(1e-6, 1e-12)
-    assert cm.predict("auto", {}, 4, WORK, slow, MACHINE)["picked"].startswith(("gtopk", "topk"))
+    # as efficient as dense, the sparse candidates' cheap steps win at 1 Gbit/s; with the built-in digits
+    # penalty (they never reached the target there) local SGD reaches the accuracy first
+    as_dense = {"efficiency": {"gtopk": 1.0, "topk": 1.0}}
+    assert cm.predict("auto", as_dense, 4, WORK, slow, MACHINE)["picked"].startswith(("gtopk", "topk"))
+    assert cm.predict("auto", {}, 4, WORK, slow, MACHINE)["picked"] == "local_sgd"
     assert cm.predict("auto", {}, 4, WORK, fast, MACHINE)["picked"] == "gradient_allreduce"
     # the `network` option decides the pick; the prediction is still made on `net`
-    p = cm.predict("auto", {"network": {"alpha": 5e-5, "beta": 8e-9}}, 4, WORK, fast, MACHINE)
+    p = cm.predict("auto", {"network": {"alpha": 5e-5, "beta": 8e-9}, **as_dense}, 4, WORK, fast, MACHINE)
     assert p["picked"].startswith(("gtopk", "topk")) and p["comm_s"] < 1e-3
     # tolerance: an earlier candidate within it wins over a later, slightly faster one
     cands = [("local_sgd", {"period": 4}), ("local_sgd", {"period": 5})]
@@ -221,6 +230,89 @@ def test_auto_prediction_and_choice():
     assert cm.normalize_candidates(["topk", {"name": "gtopk", "options": {"density": 0.1}},
                                     {"name": "topk", "density": 0.2}, ("local_sgd", {"period": 2})]) == \
         [("topk", {}), ("gtopk", {"density": 0.1}), ("topk", {"density": 0.2}), ("local_sgd", {"period": 2})]
+
+
+def test_efficiency_flips_the_pick():
+    # at 1 Gbit/s on 25M parameters gtopk's step is far cheaper than dense's; weighed by efficiency the
+    # pick flips to dense once gtopk needs more than dense's step / gtopk's step times the steps
+    net = cm.Network(5e-5, 8e-9)
+    cands = ["gradient_allreduce", {"name": "gtopk", "density": 0.001}]
+    i, preds = cm.choose(cands, 4, WORK, net, MACHINE, efficiency={"gtopk": 1.0})
+    assert i == 1 and preds[1]["step_s"] < preds[0]["step_s"] / 2
+    ratio = preds[0]["step_s"] / preds[1]["step_s"]
+    i, preds = cm.choose(cands, 4, WORK, net, MACHINE, efficiency={"gtopk(density=0.001)": ratio * 1.2})
+    assert i == 0 and preds[1]["efficiency"] == pytest.approx(ratio * 1.2)
+    assert preds[1]["weighted_s"] == pytest.approx(preds[1]["step_s"] * ratio * 1.2)
+    assert (preds[0]["efficiency"], preds[0]["efficiency_source"]) == (1.0, "digits")
+    # a label wins over its name; the tolerance still prefers the earlier (exact) candidate
+    assert cm.efficiency_of("gtopk", {"density": 0.001}, {"gtopk": 3.0, "gtopk(density=0.001)": 2.0}) == (2.0, "given")
+    i, _ = cm.choose(cands, 4, WORK, net, MACHINE, tolerance=0.25, efficiency={"gtopk": ratio * 0.9})
+    assert i == 0
+    # the built-in defaults come from the digits run; unknown algorithms are assumed exact
+    assert cm.efficiency_of("gtopk", {"density": 0.01}) == (pytest.approx(330 / 154), "digits")
+    assert cm.efficiency_of("decentralized") == (pytest.approx(165 / 154), "digits")
+    assert cm.efficiency_of("local_sgd") == (1.0, "digits")  # 132/154 measured, never below dense
+    assert cm.efficiency_of("powersgd", {"rank": 4}) == (1.0, "assumed")
+
+
+def _conv_row(network, P, name, label, steps, steps_run=330, options=None, model="mlp_digits"):
+    return {"network": network, "world_size": P, "model": model, "name": name, "algorithm": label,
+            "options": options or {}, "steps_to_target": steps, "steps_run": steps_run}
+
+
+def test_efficiencies_from_convergence_results(tmp_path):
+    import json
+    rows = [_conv_row("loopback", 4, "ddp", "ddp", 154), _conv_row("loopback", 4, "local_sgd", "local_sgd", 132),
+            _conv_row("loopback", 4, "gtopk", "gtopk(density=0.01)", None, options={"density": 0.01}),
+            _conv_row("loopback", 4, "auto", "auto", 99),
+            _conv_row("1gbit", 4, "ddp", "ddp", 100), _conv_row("1gbit", 4, "local_sgd", "local_sgd", 120),
+            _conv_row("1gbit", 4, "gtopk", "gtopk(density=0.01)", 150, options={"density": 0.01}),
+            _conv_row("loopback", 2, "gradient_allreduce", "gradient_allreduce", 50),
+            _conv_row("loopback", 2, "local_sgd", "local_sgd", 100)]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"mode": "convergence", "rows": rows}))
+    eff = cm.efficiencies_from_results(str(path), world_size=4, network="loopback")
+    # never reached: budget / dense steps; auto's own rows are no evidence
+    assert eff == {"ddp": 1.0, "local_sgd": pytest.approx(132 / 154), "gtopk(density=0.01)": pytest.approx(330 / 154),
+                   "gtopk": pytest.approx(330 / 154)}
+    # several cells: the median of the cells' ratios; gradient_allreduce is a dense reference too
+    eff = cm.efficiencies_from_results(rows)
+    assert eff["local_sgd"] == pytest.approx(sorted([132 / 154, 1.2, 2.0])[1])
+    assert eff["gtopk"] == pytest.approx(((330 / 154) + 1.5) / 2)
+    # a candidate's label as auto writes it ("a, b") matches the benchmark's ("a,b")
+    assert cm.efficiency_of("gtopk", {"density": 0.01}, eff)[0] == pytest.approx(eff["gtopk(density=0.01)"])
+    with pytest.raises(ValueError, match="no cell with a dense row"):
+        cm.efficiencies_from_results([_conv_row("loopback", 4, "ddp", "ddp", None),
+                                      _conv_row("loopback", 4, "local_sgd", "local_sgd", 100)])
+    with pytest.raises(ValueError, match="not convergence results"):
+        cm.efficiencies_from_results([{"network": "loopback", "step_s": 0.1}])
+    # auto takes the file; a missing file is refused at construction
+    a = build("auto", candidates=["gradient_allreduce", "local_sgd", {"name": "gtopk", "density": 0.01}],
+              efficiency_from=str(path), efficiency={"gtopk": 0.5})
+    assert a._efficiency(4)["gtopk"] == 0.5  # the option wins over the file
+    assert a._efficiency(4)["local_sgd"] == pytest.approx((132 / 154 + 1.2) / 2)  # the file's rows at P=4
+    assert a._efficiency(8)["local_sgd"] == pytest.approx(1.2)  # no rows at P=8: all of them
+    with pytest.raises(ValueError, match="efficiency_from .*nope.json"):
+        build("auto", efficiency_from=str(tmp_path / "nope.json"))
+
+
+@pytest.mark.parametrize("eff, pattern", [
+    ({"gtopk": 0}, r"efficiency\['gtopk'\] must be a finite number > 0 .*got 0"),
+    ({"gtopk": -1.5}, r"efficiency\['gtopk'\] must be a finite number > 0 .*got -1.5"),
+    ({"local_sgd": "fast"}, r"efficiency\['local_sgd'\] must be a finite number > 0 .*got 'fast'"),
+    ({"local_sgd": float("nan")}, r"efficiency\['local_sgd'\] must be a finite number > 0"),
+    ({"local_sgd": True}, r"efficiency\['local_sgd'\] must be a finite number > 0 .*got True"),
+    ({"powersgd": 1.0}, r"efficiency key 'powersgd' names no candidate; allowed: gradient_allreduce, "
+                        r"gtopk\(density=0.01\), local_sgd, gtopk$"),
+    ({3: 1.0}, r"efficiency key 3 must be an algorithm label or name"),
+    ([1.0, 2.0], r"efficiency must be a mapping of algorithm label or name to a ratio"),
+])
+def test_bad_efficiency_names_the_key_and_what_is_allowed(eff, pattern):
+    cands = ["gradient_allreduce", {"name": "gtopk", "density": 0.01}, "local_sgd"]
+    with pytest.raises(ValueError, match=pattern):
+        build("auto", candidates=cands, efficiency=eff)
+    with pytest.raises(ValueError, match=pattern):
+        cm.predict("auto", {"candidates": cands, "efficiency": eff}, 4, WORK, cm.Network(5e-5, 8e-9), MACHINE)
 
 
 def test_auto_options_are_checked():
@@ -750,11 +842,13 @@ def _check_auto(res, P, expect=None):
     # the pick is what the cost model says for the (rank-maxed) inputs auto used
     work = cm.Workload(numel=sum(d["bucket_numels"]), compute_s=d["compute_s"], n_buckets=len(d["bucket_numels"]),
                        bucket_numels=d["bucket_numels"])
-    i, _ = cm.choose([tuple(c) for c in d["candidates"]], P, work, cm.Network(**d["network"]), cm.Machine(**d["machine"]))
+    i, _ = cm.choose([tuple(c) for c in d["candidates"]], P, work, cm.Network(**d["network"]), cm.Machine(**d["machine"]),
+                     efficiency=d["efficiency"])
     assert i == d["picked"] and cm.label(*d["candidates"][i]) == pick
     # one line, on rank 0 only, in the log and on stdout
     line = d["line"]
-    assert re.match(rf"bagua_lite auto: picked {re.escape(pick)}: predicted [0-9.e-]+ s/step.*\(alpha=.*beta=.*"
+    assert re.match(rf"bagua_lite auto: picked {re.escape(pick)}: predicted [0-9.e-]+ s/step x efficiency "
+                    rf"[0-9.e-]+ \(\w+\) = [0-9.e-]+, ranked by time to accuracy .*\(alpha=.*beta=.*"
                     rf" params, compute .* s.*, P={P}\)$", line), line
     assert res[0]["log"] == [line] and res[0]["stdout"].count("bagua_lite auto:") == 1 and line in res[0]["stdout"]
     assert all(r["log"] == [] and "bagua_lite auto" not in r["stdout"] for r in res[1:])
@@ -767,7 +861,9 @@ def _check_auto(res, P, expect=None):
 def test_auto_picks_sparse_on_a_slow_network_and_trains(clusters):
     P = 2
     opts = {"network": {"alpha": 1e-4, "beta": 1e-6},  # 1 MB/s: dense is 9 ms/step, gtopk microseconds
-            "candidates": ["gradient_allreduce", {"name": "gtopk", "options": {"density": 0.1}}]}
+            "candidates": ["gradient_allreduce", {"name": "gtopk", "options": {"density": 0.1}}],
+            # as efficient as dense (the built-in digits penalty, 2.1, would keep this compute-bound net dense)
+            "efficiency": {"gtopk(density=0.1)": 1.0}}
     res = clusters.get(P).run(_r_auto, opts, 12, True)
     pick, d = _check_auto(res, P, expect="gtopk(density=0.1)")
     assert all(all(r["identical"]) for r in res), [r["identical"] for r in res]

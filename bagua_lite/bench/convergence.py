@@ -99,16 +99,18 @@ def run_cell(cell, cfg, model_name, task, rank, world):
                 break
         if budget is not None and train_s >= budget:
             break
-    picked = None
+    picked = decision = None
     if wrapper is not None:
-        picked = getattr(wrapper.algorithm, "picked", None)
-        picked = repr(picked) if picked is not None else None
+        # auto: probed the network and calibrated when wrapped (not timed), trained its probe steps as dense
+        # SGD (timed: they are training steps), then delegated to its pick
+        picked = getattr(wrapper.algorithm, "picked_label", None)
+        decision = (getattr(wrapper.algorithm, "decision", None) or {}).get("line")
         wrapper.close()
     return {"metric": metric, "target": target, "curve": curve,
             "steps_to_target": hit[0] if hit else None, "time_to_target_s": hit[1] if hit else None,
             "final_metric": value, "final_loss": heldout, "train_loss": train_losses[-1] if train_losses else None,
             "steps_run": step, "train_s": train_s, "eval_s": eval_s,
-            "step_s": train_s / step if step else None, "picked": picked}
+            "step_s": train_s / step if step else None, "picked": picked, "decision": decision}
 
 
 def worker(cfg, network, rank, world, emit):

@@ -250,7 +250,8 @@ def summarize_convergence(records):
             "final_metric": c["final_metric"], "final_loss": c["final_loss"], "step_s": c["step_s"],
             "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
             "speedup_vs_ddp": (base / ours) if ours and base else None,
-            "ddp_baseline": ddp["label"] if ddp else None, "picked": c.get("picked"), "curve": c["curve"],
+            "ddp_baseline": ddp["label"] if ddp else None, "picked": c.get("picked"),
+            "decision": c.get("decision"), "curve": c["curve"],
         })
     return rows
 
@@ -283,6 +284,37 @@ def print_convergence_table(rows, out=sys.stdout):
                   f"{r['steps_run']:>10}", file=out)
     print("'-': the target was not reached within the budget. vs DDP: DDP's time to target over this row's. "
           "Evaluated: the average of the replicas (rank 0's model for synchronous algorithms).", file=out)
+
+
+def auto_convergence_report(rows, out=sys.stdout):
+    """Per (network, P, model) cell with an ``auto`` row: auto's time to target against the best measured
+    other algorithm's, within 10% or not; then how many cells were within. Returns (within, cells)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    hits, total = 0, 0
+    for (network, P, model), rs in groups.items():
+        autos = [r for r in rs if r["name"] == "auto"]
+        others = [r for r in rs if r["name"] != "auto" and r["time_to_target_s"] is not None]
+        if not autos:
+            continue
+        a = autos[0]
+        total += 1
+        mine = "not reached" if a["time_to_target_s"] is None else f"{a['time_to_target_s']:.2f} s"
+        if not others:
+            ok = a["time_to_target_s"] is not None
+            best = "no other algorithm reached it"
+        else:
+            b = min(others, key=lambda r: r["time_to_target_s"])
+            ok = a["time_to_target_s"] is not None and a["time_to_target_s"] <= 1.1 * b["time_to_target_s"]
+            best = f"best measured {b['algorithm']} {b['time_to_target_s']:.2f} s"
+        hits += ok
+        print(f"auto vs best on {network} P={P} {model}: auto (picked {a.get('picked') or '?'}) {mine} to target; "
+              f"{best} -> {'within' if ok else 'NOT within'} 10%", file=out)
+    if total:
+        print(f"auto vs best: auto's time to target within 10% of the best measured algorithm's in {hits}/{total} "
+              f"cells", file=out)
+    return hits, total
 
 
 def write_convergence_outputs(rows, out_dir):

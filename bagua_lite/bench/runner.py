@@ -66,8 +66,8 @@ import time
 
 from .config import BASELINES, STRAGGLER_RANK, load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
-from .report import (auto_report, cycle_median, print_convergence_table, print_table, projection_report, summarize,
-                     summarize_convergence, write_convergence_outputs, write_outputs)
+from .report import (auto_convergence_report, auto_report, cycle_median, print_convergence_table, print_table,
+                     projection_report, summarize, summarize_convergence, write_convergence_outputs, write_outputs)
 from .zoo import fresh_model
 
 
@@ -453,6 +453,7 @@ def main(argv=None):
     if cfg["mode"] == "convergence":
         rows = summarize_convergence(records)
         print_convergence_table(rows)
+        auto_convergence_report(rows)
         written = write_convergence_outputs(rows, args.out)
         print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))
         return
