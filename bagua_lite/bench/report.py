@@ -192,14 +192,19 @@ def _projection_table(proj, out):
         print("  " + alg.ljust(width) + "".join(f"  {cells.get(P, '-'):>{cols[P]}}" for P in sizes), file=out)
 
 
-def write_outputs(rows, projections, out_dir):
+def _write_results(out_dir, payload, rows, fields):
+    """results.json (``payload``) and results.csv (``rows``, columns ``fields``) in ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"rows": rows, "projections": projections}, f, indent=2)
+        json.dump(payload, f, indent=2)
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
+
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (and a note) when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -207,6 +212,14 @@ def write_outputs(rows, projections, out_dir):
         import matplotlib.pyplot as plt
     except ImportError:
         print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
+        return None
+    return plt
+
+
+def write_outputs(rows, projections, out_dir):
+    _write_results(out_dir, {"rows": rows, "projections": projections}, rows, list(rows[0].keys()))
+    plt = _pyplot()
+    if plt is None:
         return
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
@@ -321,21 +334,9 @@ def write_convergence_outputs(rows, out_dir):
     """results.json (with every evaluation's [step, seconds, metric, loss]), results.csv (without the
     curves) and one ``convergence_<model>.png`` per model: the metric against training seconds, one panel
     per network and P, one line per algorithm. Returns the names of the plots written."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"mode": "convergence", "rows": rows}, f, indent=2)
-    with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
-        fields = [k for k in rows[0] if k != "curve"]
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
+    _write_results(out_dir, {"mode": "convergence", "rows": rows}, rows, [k for k in rows[0] if k != "curve"])
+    plt = _pyplot()
+    if plt is None:
         return []
     written = []
     for model in dict.fromkeys(r["model"] for r in rows):
