@@ -9,6 +9,7 @@ waiting for its own buckets looks at that key every ``POLL_S`` seconds. The key 
 never affects another made later in the same job.
 """
 import itertools
+import time
 
 import torch.distributed as dist
 
@@ -62,3 +63,14 @@ class FailFast:
         """``engine.wait_all()``, looking for a peer's failure every POLL_S seconds."""
         while not engine.wait_all_for(POLL_S):
             self.check()
+
+    def wait_work(self, work) -> None:
+        """``work.wait()`` of an async collective, looking for a peer's failure while it is in flight."""
+        delay, next_check = 2e-5, time.monotonic() + POLL_S
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+            if time.monotonic() >= next_check:
+                self.check()
+                next_check = time.monotonic() + POLL_S
+        work.wait()
