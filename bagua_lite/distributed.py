@@ -112,6 +112,7 @@ class DistributedModel(torch.nn.Module):
         self._step_check_op.__name__ = "step_count_check"
         self._engine_abandoned = False
         self._nonfinite_error = None
+        self._local_bad = None  # first parameter with a non-finite local gradient (relaxations that keep them local)
         # before the algorithm's own step hooks (registered in init): a skipped round must stop them too
         self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
         self.algorithm.model = self
@@ -133,6 +134,8 @@ class DistributedModel(torch.nn.Module):
         if self._failfast.failed is not None:
             raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed}); "
                                f"its ranks are out of step for good: restart from the last checkpoint")
+        if self._sync_enabled and torch.is_grad_enabled():
+            self._settle_skipped_step()
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
             self._sync_buffers()
         self.algorithm.before_forward()
@@ -209,6 +212,7 @@ class DistributedModel(torch.nn.Module):
                 self._engine.shutdown()
 
     def algorithm_state_dict(self) -> dict:
+        self._settle_skipped_step()
         return self.algorithm.state_dict()
 
     def load_algorithm_state_dict(self, state: dict) -> None:
@@ -245,7 +249,12 @@ class DistributedModel(torch.nn.Module):
 
     # ---- the scheduler -----------------------------------------------------------------------------------
     def _on_grad_ready(self, p):
-        if not self._sync_enabled or not self.algorithm.sync_gradients():
+        if not self._sync_enabled:
+            return
+        if not self.algorithm.sync_gradients():
+            # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
+            if self._local_bad is None and p.grad is not None and not _C.all_finite(p.grad):
+                self._local_bad = p
             return
         self._start_backward()
         bi, j = self._slot[p]
@@ -323,6 +332,22 @@ class DistributedModel(torch.nn.Module):
     def _before_step(self, optimizer, args, kwargs):
         if self._nonfinite_error is not None:
             raise FloatingPointError(self._nonfinite_error)
+        if self._local_bad is not None:
+            name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
+            raise FloatingPointError(
+                f"bagua_lite: non-finite gradient (inf or NaN) on rank {self.rank} at step {self.algorithm.step}, "
+                f"first in parameter {name!r}. Under {self.algorithm.name} gradients stay local, so only this rank "
+                f"skips the step: its weights are unchanged and the step still counts, so the ranks stay in "
+                f"step (a loss scaler, torch.amp.GradScaler, skips such steps without this error). Look for "
+                f"what produced the inf/NaN: learning rate, loss, inputs")
+
+    def _settle_skipped_step(self):
+        """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
+        it still counts, as a step that moved nothing, so this rank's schedule (exchanges, periodic
+        averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint."""
+        if self._local_bad is not None:
+            self._local_bad = None
+            self._after_step()
 
     def _hand_over(self, b, j, p):
         """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot."""
@@ -368,5 +393,6 @@ class DistributedModel(torch.nn.Module):
         self.algorithm.after_backward()
 
     def _after_step(self):
+        self._local_bad = None
         self.algorithm.step += 1
         self.algorithm.after_step()

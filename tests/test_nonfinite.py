@@ -182,6 +182,89 @@ def test_ranks_out_of_step_raise_on_every_rank(clusters, P, name, options):
         assert unchanged, f"rank {r}: weights changed"
 
 
+# Relaxations whose gradients stay on their rank: a non-finite gradient stays local too.
+LOCAL_CASES = {
+    "decentralized": ("decentralized", {"peer_selection": "ring"}),
+    "shift_one": ("decentralized", {"peer_selection": "shift_one"}),
+    "low_precision_decentralized": ("low_precision_decentralized", {}),
+    "local_sgd": ("local_sgd", {"period": 2}),
+    "local_sgd_uint8": ("local_sgd", {"period": 2, "compression": "minmax_uint8"}),
+    "async": ("async_model_average", {"sync_interval_ms": 20}),
+}
+LOCAL_STEPS = 8  # local SGD averages at steps 2, 4, 6, 8: the last one ends the run
+
+
+def _r_local(rank, P, label, scaler_on):
+    """As _r_scaled, for a relaxation that keeps gradients local; without a scaler the bad rank catches
+    the FloatingPointError and goes on, the usual "skip the bad step" loop."""
+    name, options = LOCAL_CASES[label]
+    net = _net()
+    opt = _optimizer("sgd", net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
+    out = {"weights": [], "opt": [], "errors": [], "scale": []}
+    for s in range(LOCAL_STEPS):
+        x, y = _batch(rank, s)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        if s == BAD_STEP and rank == BAD_RANK:
+            loss = loss * float("inf")
+        (scaler.scale(loss) if scaler else loss).backward()
+        try:
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+                out["scale"].append(float(scaler.get_scale()))
+            else:
+                opt.step()
+        except FloatingPointError as e:
+            out["errors"].append((s, str(e)))
+        opt.zero_grad()
+        out["weights"].append(_weights(net))
+        out["opt"].append(_sha(opt.state_dict()))
+    out["step"] = model.algorithm_state_dict()["step"]
+    model.close()
+    if name == "async_model_average":
+        model.algorithm.average_now()  # collective: every rank must get here, in step
+    out["final"] = _weights(net)
+    return out
+
+
+def _r_local_all(rank, P, scaler_on):
+    return {label: _r_local(rank, P, label, scaler_on) for label in LOCAL_CASES}
+
+
+@pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("scaler_on", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_nonfinite_local_gradient_skips_on_its_rank_only(clusters, P, scaler_on):
+    """decentralized, low-precision decentralized, local SGD and async after warm-up: the bad rank skips
+    its update (its momentum untouched, its weights finite), its peers go on, nothing non-finite reaches
+    anyone, and the skipped step still counts, so exchanges and periodic averages stay paired."""
+    res = clusters.get(P).run(_r_local_all, scaler_on, timeout=240)
+    for label in LOCAL_CASES:
+        outs = [r[label] for r in res]
+        for r, out in enumerate(outs):
+            assert all(torch.isfinite(w).all() for w in out["weights"]), f"{label}: rank {r} went non-finite"
+            assert out["step"] == LOCAL_STEPS, f"{label}: rank {r} counted {out['step']} steps, not {LOCAL_STEPS}"
+            skipped = r == BAD_RANK
+            # the optimizer (momentum) moved on every step except the bad rank's bad one
+            assert (out["opt"][BAD_STEP] == out["opt"][BAD_STEP - 1]) == skipped, (label, r)
+            assert not torch.equal(out["weights"][-1], out["weights"][BAD_STEP]), f"{label}: rank {r} stopped"
+            if scaler_on:
+                assert out["errors"] == [], (label, r, out["errors"])
+                dropped = out["scale"][BAD_STEP] < out["scale"][BAD_STEP - 1]
+                assert dropped == skipped, (label, r, out["scale"])
+            elif skipped:
+                assert [s for s, _ in out["errors"]] == [BAD_STEP], (label, r, out["errors"])
+                msg = out["errors"][0][1]
+                assert f"on rank {BAD_RANK}" in msg and "non-finite gradient" in msg and "in parameter '4." in msg, msg
+            else:
+                assert out["errors"] == [], (label, r, out["errors"])
+        if label.startswith("local_sgd") or label == "async":  # the run ends with an average over all ranks
+            assert len({bytes(o["final"].view(torch.uint8).numpy()) for o in outs}) == 1, \
+                f"{label}: replicas differ after the final average"
+
+
 class _Branchy(torch.nn.Module):
     def __init__(self):
         super().__init__()
