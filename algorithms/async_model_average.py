@@ -26,12 +26,14 @@ raises leaves it held until the next forward (or close) releases it. The averagi
 """
 import atexit
 import threading
+import time
 import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 
+from bagua_lite._failfast import POLL_S
 from bagua_lite._groups import group_timeout
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
@@ -95,6 +97,7 @@ class AsyncModelAverage(Algorithm):
             self._lock.release()
 
     def _check(self):
+        self.model._failfast.check_every()  # a peer's failure: its averaging thread would never answer ours
         if self.error is not None:
             raise RuntimeError(f"async_model_average: the background averaging failed: "
                                f"{type(self.error).__name__}: {self.error}") from self.error
@@ -138,10 +141,15 @@ class AsyncModelAverage(Algorithm):
         self._closing = True
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(join_timeout_s)
+            deadline, failed = time.monotonic() + join_timeout_s, False
+            while self._thread.is_alive() and time.monotonic() < deadline and not failed:
+                self._thread.join(POLL_S)
+                # its collective may wait on a failed rank: do not wait out the group's timeout
+                failed = self.model is not None and self.model._failfast.peer_failed()
             if self._thread.is_alive():
-                warnings.warn(f"async_model_average: the background averaging thread did not stop within "
-                              f"{join_timeout_s:.0f}s; it is a daemon and ends with the process")
+                why = "a rank's communication failed" if failed else f"it did not stop within {join_timeout_s:.0f}s"
+                warnings.warn(f"async_model_average: left the background averaging thread behind ({why}); "
+                              f"it is a daemon and ends with the process")
 
     def close(self):
         for h in self._hooks:

@@ -191,9 +191,10 @@ class Decentralized(Algorithm):
 
     def _wait(self, event):
         if self._works is not None:
-            event.wait()
+            self.model._failfast.wait_event(event)  # the thread may wait on a failed peer: fail fast
             if self._error is not None:
                 error, self._error, self._works = self._error, None, None
+                self.model._failfast.announce(f"{self.name}: the weight exchange failed: {error}")
                 raise RuntimeError(f"{self.name}: the weight exchange failed on rank {self.model.rank}: {error}") \
                     from error
 
@@ -208,8 +209,7 @@ class Decentralized(Algorithm):
         if self.compressor is not None:
             self._wait(self._done)
         works, self._works = self._works, None
-        for w in works:
-            w.wait()
+        self.model.run_collective(f"{self.name} exchange", lambda: [w.wait() for w in works])
         peers = self._peers()[1]
         self.exchanges += 1
         with torch.no_grad():
@@ -243,6 +243,12 @@ class Decentralized(Algorithm):
         return deltas
 
     def close(self):
+        if self.model._failfast.peer_failed():  # nobody will answer: leave the (daemon) thread behind
+            self._works = None
+            if getattr(self, "_thread", None) is not None:
+                self._hook.remove()
+                self._thread = None
+            return
         if self._works is not None:  # an exchange in flight: finish it so peers are not left waiting
             if self.compressor is not None:
                 self._done.wait()

@@ -48,8 +48,11 @@ class LocalSGD(Algorithm):
         if local_steps == 0:
             self.averager.reset_anchor()  # replicas are identical at the end of warm-up
         if local_steps > 0 and local_steps % self.period == 0:
-            self._check_in_step()
-            self.averager.average(self.process_group)
+            self.model.run_collective("local_sgd weight average", self._average)  # fails fast on a peer's failure
+
+    def _average(self):
+        self._check_in_step()
+        self.averager.average(self.process_group)
 
     def _check_in_step(self):
         """Ranks average when *their* step count says so: a rank that took one step more or less would

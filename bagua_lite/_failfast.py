@@ -34,6 +34,7 @@ class FailFast:
         self.key = f"bagua_lite/failed/{next(_models)}"
         self.store = _default_store()
         self.failed = None  # set once this model's communication is known to be broken
+        self._next_check = 0.0
 
     def announce(self, what: str) -> None:
         """This rank's communication failed: tell every peer (best effort; never raises)."""
@@ -64,13 +65,23 @@ class FailFast:
         while not engine.wait_all_for(POLL_S):
             self.check()
 
-    def wait_work(self, work) -> None:
-        """``work.wait()`` of an async collective, looking for a peer's failure while it is in flight."""
-        delay, next_check = 2e-5, time.monotonic() + POLL_S
-        while not work.is_completed():
-            time.sleep(delay)
-            delay = min(delay * 2, 0.01)
-            if time.monotonic() >= next_check:
-                self.check()
-                next_check = time.monotonic() + POLL_S
-        work.wait()
+    def peer_failed(self) -> bool:
+        """Whether this model is known to be failed (here or on a peer), without raising."""
+        try:
+            self.check()
+        except PeerFailedError:
+            pass
+        return self.failed is not None
+
+    def check_every(self, seconds: float = POLL_S) -> None:
+        """:meth:`check`, at most once per ``seconds`` (for a loop that polls between its own work)."""
+        now = time.monotonic()
+        if now >= self._next_check:
+            self._next_check = now + seconds
+            self.check()
+
+    def wait_event(self, event) -> None:
+        """``event.wait()`` for an algorithm's own thread, looking for a peer's failure every POLL_S seconds
+        (the thread may sit in a collective with the failed rank until the group's timeout)."""
+        while not event.wait(POLL_S):
+            self.check()

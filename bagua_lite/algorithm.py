@@ -33,6 +33,11 @@ Hooks, in the order of one training step:
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
 ``state_dict()`` / ``load_state_dict()``  the algorithm's own state (residuals, counters)
+
+Collectives an algorithm runs itself, outside the buckets (a periodic weight average, a wait for a peer
+exchange), go through ``self.model.run_collective("what", fn)``: ``fn()`` runs on the engine thread while
+the training thread waits with fail fast (a peer's failure raises ``PeerFailedError`` within a second,
+not after the process group's timeout); a hook that raises tells the peers this model failed.
 ``asynchronous``           True for a relaxation whose ranks do not wait for each other every step
                            (asynchronous model averaging): a benchmark must not synchronise its ranks
                            per step to time it, and ranks may take different numbers of steps.

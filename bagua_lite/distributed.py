@@ -138,7 +138,7 @@ class DistributedModel(torch.nn.Module):
             self._settle_skipped_step()
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
             self._sync_buffers()
-        self.algorithm.before_forward()
+        self._algorithm_hook(self.algorithm.before_forward)
         out = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._sync_enabled:
             # Arm the end-of-backward callback as soon as backward reaches the output, so a rank whose
@@ -375,14 +375,7 @@ class DistributedModel(torch.nn.Module):
         self._submit_ready()
         t0 = time.perf_counter()
         try:
-            self._failfast.wait_engine(self._engine)
-        except PeerFailedError:
-            self._engine.abandon()  # its worker may sit in a collective until the group's timeout
-            self._engine_abandoned = True
-            raise
-        except RuntimeError as e:  # this rank's bucket op failed (or its collective, with a peer's death)
-            self._failfast.announce(str(e))
-            raise
+            self._wait_engine()
         finally:
             self.timings["backward_wait_s"] += time.perf_counter() - t0
             self._backward_active = False
@@ -390,9 +383,49 @@ class DistributedModel(torch.nn.Module):
             self._ready = [0] * len(self.buckets)
             self._marked = [[False] * len(b.params) for b in self.buckets]
         self._agree_after_round(unused)
-        self.algorithm.after_backward()
+        self._algorithm_hook(self.algorithm.after_backward)
 
     def _after_step(self):
         self._local_bad = None
         self.algorithm.step += 1
-        self.algorithm.after_step()
+        self._algorithm_hook(self.algorithm.after_step)
+
+    def _algorithm_hook(self, hook):
+        """Run an algorithm hook that may communicate (its own exchanges, averages, threads' errors): if it
+        raises, this model's ranks are out of step for good, so tell the peers (fail fast) first."""
+        try:
+            hook()
+        except PeerFailedError:
+            raise
+        except Exception as e:
+            self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
+            raise
+
+    def _wait_engine(self):
+        """Wait for every task on the engine, failing fast: a peer's announced failure raises
+        PeerFailedError within POLL_S; this rank's own failure is announced to the peers."""
+        try:
+            self._failfast.wait_engine(self._engine)
+        except PeerFailedError:
+            self._engine.abandon()  # its worker may sit in a collective until the group's timeout
+            self._engine_abandoned = True
+            raise
+        except RuntimeError as e:  # this rank's op failed (or its collective, with a peer's death)
+            self._failfast.announce(str(e))
+            raise
+
+    def run_collective(self, what: str, fn):
+        """Run ``fn()``, an algorithm's own collectives outside the buckets (a periodic weight average, the
+        wait for a peer exchange), on the engine thread while this thread waits with fail fast: if a peer
+        announced a failure this raises :class:`PeerFailedError` within a second instead of waiting out the
+        process group's timeout (30 minutes by default). ``fn``'s result is returned."""
+        if self._failfast.failed is not None:
+            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed})")
+        result = []
+
+        def op(_flat):
+            result.append(fn())
+        op.__name__ = what
+        self._engine.submit(-2, self._no_tensor, [op])
+        self._wait_engine()
+        return result[0]

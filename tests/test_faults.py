@@ -93,6 +93,75 @@ def test_failure_on_a_live_rank_fails_every_peer_fast(P):
         assert "communication failed earlier" in after, (r, after)  # the model stays failed
 
 
+# ---- a live rank's failure in an algorithm's own communication (not its buckets) ---------------------
+def _fail_on_call(fn, n, what):
+    """``fn`` that raises on its n-th call (1-based), as a bug or a bad value would."""
+    calls = [0]
+
+    def wrapped(*a, **kw):
+        calls[0] += 1
+        if calls[0] == n:
+            raise ValueError(f"a deliberate failure in {what}")
+        return fn(*a, **kw)
+    return wrapped
+
+
+OWN = {  # label: (algorithm options, what fails on rank 1)
+    "local_sgd": ({"period": 2}, "averager.average"),  # its weight average, on the engine
+    "decentralized": ({}, "_exact_deltas"),  # after its exchange, on the training thread
+    "low_precision_decentralized": ({}, "_compressed_exchange"),  # on its exchange thread, before sending
+    "async_model_average": ({"sync_interval_ms": 20}, "averager.reduce"),  # on its averaging thread
+}
+
+
+def _r_own_failure(rank, P, label):
+    options, target = OWN[label]
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    alg = build(label, **options)
+    model = bagua_lite.DistributedModel(net, opt, alg, bucket_size_mb=0.001)
+    if rank == 1:
+        owner, attr = (alg.averager, target.split(".")[1]) if "." in target else (alg, target)
+        setattr(owner, attr, _fail_on_call(getattr(owner, attr), 3, target))
+    t_end = time.monotonic() + 25
+    try:
+        s = 0
+        while time.monotonic() < t_end:
+            _step(model, opt, rank, s)
+            s += 1
+            if label == "async_model_average":
+                time.sleep(0.01)
+        result = ("no error", time.time(), "")
+    except Exception as e:  # noqa: BLE001 - the user's "catch and carry on" pattern
+        result = (type(e).__name__, time.time(), str(e))
+    if rank == 1:
+        time.sleep(4)  # stays alive (evaluation, logging...) well past the peers' error
+    t0 = time.monotonic()
+    model.close()
+    return result + (time.monotonic() - t0,)
+
+
+@pytest.mark.parametrize("label", list(OWN))
+@pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
+def test_live_failure_in_an_algorithms_own_communication_fails_every_peer_fast(P, label):
+    """torch's default timeout (30 min): a periodic average, a peer exchange, an exchange thread or a
+    background averaging thread fails on rank 1, which stays alive; every peer raises within seconds and
+    closes its model without waiting for the timeout either."""
+    c = Cluster(P, timeout_s=1800)
+    try:
+        res = c.run(_r_own_failure, label, timeout=90)
+    finally:
+        c.close()
+    what, t_fail, msg, _ = res[1]
+    assert what in ("RuntimeError", "ValueError") and "deliberate failure" in msg, res[1]
+    for r in set(range(P)) - {1}:
+        what, t_raise, msg, close_s = res[r]
+        assert what == "PeerFailedError", (r, res[r])
+        assert t_raise - t_fail < 5, f"rank {r} took {t_raise - t_fail:.1f}s to learn of rank 1's failure"
+        assert "rank 1:" in msg and "deliberate failure" in msg, (r, msg)
+        assert close_s < 5, f"rank {r}: close() took {close_s:.1f}s"
+
+
 # ---- a killed or stopped peer, under every algorithm that communicates each step ----------------------
 EVERY = {
     "gradient_allreduce": {}, "bytegrad": {"compression": "minmax_uint8"}, "topk": {"density": 0.1},

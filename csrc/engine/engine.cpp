@@ -111,7 +111,8 @@ void Engine::record_error(const Task& task, const Op& op) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!error_) {
     error_ = std::current_exception();
-    error_where_ = "bucket " + std::to_string(task.bucket_id) + ", op " + op.name();
+    // negative ids: control tasks outside the buckets (the step check, an algorithm's own collectives)
+    error_where_ = (task.bucket_id >= 0 ? "bucket " + std::to_string(task.bucket_id) + ", op " : "op ") + op.name();
   }
 }
 
