@@ -40,6 +40,7 @@ from bagua_lite.bucket import FlatWeights
 PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
 # elements per compressed message: the wire starts once the (smaller) first chunk is packed
 FIRST_CHUNK, CHUNK = 1 << 20, 1 << 22
+STEP_TAG = 1 << 24  # p2p tag of the step count that travels with each exchange (data tags are indices)
 
 
 @register("decentralized")
@@ -81,6 +82,10 @@ class Decentralized(Algorithm):
         one_way = ([(me + 1) % P], [(me - 1) % P]) if P > 1 else ([], [])
         self.fixed = one_way if self.peer_selection == "ring_one_way" else (both, both)
         self.snap = self.weights.gather()  # refilled in place by gather(): x_t, or x_t - x_hat when compressed
+        # every exchange also carries the step count it started at, so ranks out of step are caught
+        self._step_out = torch.zeros(2, dtype=torch.int64)
+        self._step_in = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
+        self._step_works = []
         if self.compressor is None:
             senders = max(1, len(self.fixed[1])) if self.peer_selection.startswith("ring") else 1
             self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(senders)]
@@ -123,6 +128,7 @@ class Decentralized(Algorithm):
         if self._works is not None or not torch.is_grad_enabled() or self.world_size == 1 \
                 or (self.step + 1) % self.communication_interval:
             return
+        self._step_works = self._post_steps()  # before the thread posts anything: same order on every rank
         if self.compressor is not None:
             self._packed.clear()
             self._done.clear()
@@ -136,6 +142,33 @@ class Decentralized(Algorithm):
             _C.count_sent(sum(2 * (P - 1) * t.nbytes // P for t in send), len(send))  # ring allreduce
             return
         self._works = [w for i, t in enumerate(send) for w in self._post(t, [r[i] for r in self.recv], i)]
+
+    def _post_steps(self):
+        """Send this exchange's step count with it (16 bytes per peer, not counted as traffic)."""
+        self._step_out[0], self._step_out[1] = self.step, -self.step
+        if self.peer_selection == "all":  # max of (step, -step): the range of every rank's step
+            self._step_in[0].copy_(self._step_out)
+            return [dist.all_reduce(self._step_in[0], op=dist.ReduceOp.MAX, group=self.group, async_op=True)]
+        me, (to, frm), works = self.model.rank, self._peers(), []
+        for peer in to:
+            works.append((self.group if me < peer else self.down).send([self._step_out], peer, STEP_TAG))
+        for buf, peer in zip(self._step_in, frm):
+            works.append((self.group if peer < me else self.down).recv([buf], peer, STEP_TAG))
+        return works
+
+    def _check_steps(self, frm):
+        """Did every peer start this exchange at this rank's step? (A rank that took a step more or fewer
+        would otherwise average with its peers' weights of another step from now on, silently.)"""
+        mine = int(self._step_out[0])
+        if self.peer_selection == "all":
+            hi, lo = int(self._step_in[0][0]), -int(self._step_in[0][1])
+            theirs = [] if hi == lo else [f"step counts from {lo} to {hi} across ranks"]
+        else:
+            theirs = [f"rank {peer} at step {int(t[0])}" for peer, t in zip(frm, self._step_in) if int(t[0]) != mine]
+        if theirs:
+            raise RuntimeError(f"{self.name}: ranks are out of step at a weight exchange: this rank "
+                               f"({self.model.rank}) is at step {mine}, {'; '.join(theirs)}. Every rank must call "
+                               f"optimizer.step() once per step, the same number of times; nothing was averaged")
 
     def _post(self, t, recv, tag):
         """Send t to this exchange's peers and receive theirs into recv (one direction per group)."""
@@ -208,9 +241,10 @@ class Decentralized(Algorithm):
             return
         if self.compressor is not None:
             self._wait(self._done)
-        works, self._works = self._works, None
+        works, self._works = self._works + self._step_works, None
         self.model.run_collective(f"{self.name} exchange", lambda: [w.wait() for w in works])
         peers = self._peers()[1]
+        self._check_steps(peers)
         self.exchanges += 1
         with torch.no_grad():
             if self.compressor is not None:
@@ -252,7 +286,7 @@ class Decentralized(Algorithm):
         if self._works is not None:  # an exchange in flight: finish it so peers are not left waiting
             if self.compressor is not None:
                 self._done.wait()
-            for w in self._works:
+            for w in self._works + self._step_works:
                 w.wait()
             self._works = None
         if getattr(self, "_thread", None) is not None:

@@ -1111,6 +1111,42 @@ def test_local_sgd_ranks_out_of_step_raise_on_every_rank(clusters, P):
         assert msg is not None and "out of step" in msg and "range from 3 to 6" in msg, (r, msg)
 
 
+def _r_decentralized_out_of_step(rank, P, name, options):
+    net = _mlp()
+    opt = _sgd(net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.01)
+    try:
+        for s in range(6):
+            _step(model, opt, *_batch(rank, s))
+            if rank == P - 1 and s == 1:
+                opt.step()  # an extra step (a second optimizer.step() in a branch only this rank takes)
+    except RuntimeError as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        model.close()
+    return None
+
+
+@pytest.mark.parametrize("P, name, options", [
+    (4, "decentralized", {"peer_selection": "ring"}),  # rank 1 is no neighbour of rank 3: learns by fail fast
+    (4, "decentralized", {"peer_selection": "shift_one"}),
+    (3, "decentralized", {"peer_selection": "all"}),
+    (4, "low_precision_decentralized", {}),
+], ids=["ring_P4", "shift_one_P4", "all_P3", "low_precision_P4"])
+def test_decentralized_ranks_out_of_step_raise_on_every_rank(P, name, options):
+    """Each weight exchange carries the step count it started at: a rank that took an extra step is
+    caught at its next exchange by its peers and itself, and the other ranks learn it by fail fast."""
+    c = Cluster(P)  # its own group: ranks that stop on an error may leave exchanges in flight
+    try:
+        res = c.run(_r_decentralized_out_of_step, name, options, timeout=90)
+    finally:
+        c.close()
+    for r, msg in enumerate(res):
+        assert msg is not None and "ranks are out of step" in msg, (r, msg)
+    # the third step's exchange starts at step 2 on every rank but the last, which took an extra one
+    assert any(f"is at step 2, rank {P - 1} at step 3" in m or "from 2 to 3" in m for m in res), res
+
+
 def _r_autograd_grad(rank, P, name):
     net = _mlp()
     opt = _sgd(net)
