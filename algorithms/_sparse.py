@@ -81,20 +81,20 @@ class ErrorFeedbackSparsifier(Algorithm):
             # autograd accumulated into the bucket slot itself (no_sync with zero_grad(set_to_none=False)):
             # after it is added below, the slot no longer holds only last step's sparse result.
             self._written[b] = None
-        if g is not None and not _C.all_finite(g):
-            self.nonfinite_buckets.add(b)
-            g = None
         if self.momentum_correction:
+            if g is not None and not _C.all_finite(g):
+                self.nonfinite_buckets.add(b)
+                g = None
             u, u_new = self.momenta[b][lo:hi], self._u[b][lo:hi]
             if g is not None:
                 torch.add(g, u, alpha=self.momentum_correction, out=u_new)
             else:
                 torch.mul(u, self.momentum_correction, out=u_new)
             torch.add(residual, u_new, out=acc)
-        elif g is not None:
-            torch.add(residual, g, out=acc)
-        else:
+        elif g is None:
             acc.copy_(residual)
+        elif not _C.add_checked(acc, residual, g):  # acc = residual + g, or residual if g holds inf/NaN
+            self.nonfinite_buckets.add(b)
 
     def bucket_ops(self, bucket):
         if bucket.numel == 0:  # zero-size parameters only: nothing to select or send (the same on every rank)

@@ -36,6 +36,7 @@ from .bucket import Bucket, plan_buckets, plan_model_buckets
 
 
 _BITS = 62  # parameters per int64 word of the used-parameter bitmap
+_ALL_USED = (1 << _BITS) - 1
 
 
 def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
@@ -108,8 +109,6 @@ class DistributedModel(torch.nn.Module):
         self._engine = _C.Engine()
         self._failfast = FailFast(self.rank)
         self._no_tensor = torch.empty(0)
-        self._step_check_op = functools.partial(self._check_in_step)
-        self._step_check_op.__name__ = "step_count_check"
         self._engine_abandoned = False
         self._nonfinite_error = None
         self._local_bad = None  # first parameter with a non-finite local gradient (relaxations that keep them local)
@@ -267,7 +266,7 @@ class DistributedModel(torch.nn.Module):
     def _start_backward(self):
         if not self._backward_active:
             # The step check runs on the engine thread ahead of bucket 0, overlapped with backward.
-            self._engine.submit(-1, self._no_tensor, [self._step_check_op])
+            self._engine.submit(-1, self._no_tensor, [self._step_count_check])
             self._backward_active = True
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
@@ -286,7 +285,7 @@ class DistributedModel(torch.nn.Module):
             raise
         return out.view(self.world_size, len(values)).tolist()
 
-    def _check_in_step(self, _=None):
+    def _step_count_check(self, _flat):
         """Before any bucket travels: do all ranks enter this round at the same step count?"""
         steps = [r[0] for r in self._gather_ints([self.algorithm.step])]
         if min(steps) != max(steps):
@@ -301,12 +300,12 @@ class DistributedModel(torch.nn.Module):
         round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
         DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
         bad = self.algorithm.nonfinite_buckets
-        words = [(1 << _BITS) - 1] * self._used_words  # bit set: used on this rank
+        words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // _BITS] &= ~(1 << (i % _BITS))
         rows = self._gather_ints([min(bad) if bad else -1] + words)
         firsts = [row[0] for row in rows]
-        if any(w != (1 << _BITS) - 1 for row in rows for w in row[1:]):  # some rank left some parameter out
+        if any(w != _ALL_USED for row in rows for w in row[1:]):  # some rank left some parameter out
             used = [0] * self._used_words
             for row in rows:
                 used = [a | b for a, b in zip(used, row[1:])]

@@ -372,3 +372,33 @@ def test_sparse_bad_arguments():
 
 def test_version():
     assert bagua_lite.__version__
+
+
+# ---- the non-finite checks folded into the passes that fill buckets (C++: all_finite, scale_checked, add_checked)
+@pytest.mark.parametrize("where", [None, 0, 65535, 65536, 200_000 - 1], ids=lambda w: f"bad@{w}")
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_checked_kernels_against_numpy(where, bad, dtype):
+    from bagua_lite import _C
+    n = 200_000  # more than one 65536-element block of the early-exit check
+    a, b = _rand(n, 1).to(dtype), _rand(n, 2).to(dtype)
+    if where is not None:
+        b[where] = bad
+    finite = bool(np.isfinite(b.float().numpy()).all())
+    assert finite == (where is None)
+    assert _C.all_finite(b) is finite
+    out = torch.full_like(a, 7.0)
+    assert _C.scale_checked(out, b, 0.5) is finite
+    torch.testing.assert_close(out, b * 0.5, equal_nan=True, rtol=0, atol=0)
+    out = torch.full_like(a, 7.0)
+    assert _C.add_checked(out, a, b) is finite
+    # a + b when b is finite; otherwise exactly a (an error-feedback residual left as it was)
+    torch.testing.assert_close(out, a + b if finite else a, rtol=0, atol=0)
+    # out aliasing a (accumulate in place): a bad b must leave a untouched
+    a2 = a.clone()
+    assert _C.add_checked(a2, a2, b) is finite
+    torch.testing.assert_close(a2, a + b if finite else a, rtol=0, atol=0)
+    # a strided view takes the generic path with the same result
+    strided = torch.full((2 * n,), 7.0, dtype=dtype)[::2]
+    assert _C.add_checked(strided, a, b) is finite
+    torch.testing.assert_close(strided, a + b if finite else a, rtol=0, atol=0)

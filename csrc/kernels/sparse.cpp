@@ -284,19 +284,28 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
 bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   TORCH_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add_checked: sizes differ (out ", out.numel(),
               ", a ", a.numel(), ", b ", b.numel(), ")");
-  if (!all_finite(b)) {
-    if (out.data_ptr() != a.data_ptr()) out.copy_(a.view_as(out));
-    return false;
-  }
-  if (fast_f32(out) && fast_f32(a) && fast_f32(b)) {
+  if (fast_f32(out) && fast_f32(a) && fast_f32(b) && out.data_ptr() != a.data_ptr()) {
+    // One pass: add and fold b's exponent bits into the check; on inf/NaN, out is redone as a copy of a.
     const float* x = a.const_data_ptr<float>();
     const float* y = b.const_data_ptr<float>();
     float* o = out.data_ptr<float>();
     const int64_t n = out.numel();
-    for (int64_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
-  } else {
-    at::add_out(out, a.view_as(out), b.view_as(out));
+    uint32_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, y + i, 4);
+      bad |= f32_nonfinite_mask(bits);
+      o[i] = x[i] + y[i];
+    }
+    if (bad == 0) return true;
+    out.copy_(a.view_as(out));
+    return false;
   }
+  if (!all_finite(b)) {  // out may be a itself: check before writing
+    if (out.data_ptr() != a.data_ptr()) out.copy_(a.view_as(out));
+    return false;
+  }
+  at::add_out(out, a.view_as(out), b.view_as(out));
   return true;
 }
 
