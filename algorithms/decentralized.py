@@ -310,10 +310,13 @@ class Decentralized(Algorithm):
 
 @register("low_precision_decentralized")
 class LowPrecisionDecentralized(Decentralized):
-    """BAGUA's low-precision decentralized SGD: ``decentralized`` on a ring exchanging weight differences
-    compressed to uint8 with error compensation (the defaults; every option of ``decentralized`` applies)."""
+    """BAGUA's low-precision decentralized SGD: ``decentralized`` exchanging weight differences compressed
+    to uint8 with error compensation (the defaults; every option of ``decentralized`` applies). Its ring
+    is one-way by default: each rank sends to one neighbour, half the bytes of the two-way ``ring`` (a
+    third of DDP's at P >= 3 would be two thirds), at a slower mixing rate (W's second eigenvalue 0.71
+    against 0.33 at P = 4) that the digits convergence test shows costs no accuracy."""
 
-    def __init__(self, peer_selection: str = "ring", communication_interval: int = 1,
+    def __init__(self, peer_selection: str = "ring_one_way", communication_interval: int = 1,
                  compression: str = "minmax_uint8", consensus_step: float = 1.0):
         if compression == "none":
             raise ValueError("low_precision_decentralized: compression must be a compressor, not 'none' "

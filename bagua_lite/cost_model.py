@@ -219,7 +219,7 @@ _BUILTIN_FEEDBACK = ("sign",)  # compressors that ask for error-feedback memory
 # tests compare them with the registered classes' signatures).
 _DEFAULTS = {
     "decentralized": {"peer_selection": "ring", "communication_interval": 1, "compression": "none"},
-    "low_precision_decentralized": {"peer_selection": "ring", "communication_interval": 1,
+    "low_precision_decentralized": {"peer_selection": "ring_one_way", "communication_interval": 1,
                                     "compression": "minmax_uint8"},
     "local_sgd": {"period": 4, "compression": "none"},
     "qadam": {"compression": "fp16"},

@@ -80,8 +80,8 @@ HAND = {
     # all, compressed: a ring allgather of every rank's 2000 fp16 bytes: (P-1) * 2000
     ("decentralized", (("compression", "fp16"), ("peer_selection", "all"))):
         {2: 2000, 3: 4000, 4: 6000, 5: 8000, 8: 14000},
-    ("low_precision_decentralized", ()): {2: 1008, 3: 2016, 4: 2016, 5: 2016, 8: 2016},
-    ("low_precision_decentralized", (("peer_selection", "ring_one_way"),)): {P: 1008 for P in (2, 3, 4, 5, 8)},
+    ("low_precision_decentralized", ()): {P: 1008 for P in (2, 3, 4, 5, 8)},  # one-way ring by default
+    ("low_precision_decentralized", (("peer_selection", "ring"),)): {2: 1008, 3: 2016, 4: 2016, 5: 2016, 8: 2016},
     # the compressed allreduce of the change every period steps: minmax / 4, sign / 2
     ("local_sgd", (("compression", "minmax_uint8"),)): {2: 254, 3: 341.75, 4: 387, 5: 416, 8: 465.5},
     ("local_sgd", (("compression", "sign"), ("period", 2))): {2: 67, 3: 92, 4: 108, 5: 116, 8: 140},
@@ -495,9 +495,11 @@ def test_more_compression_sends_fewer_bytes(P):
         assert sent.get("none", math.inf) > max(sent["fp16"], sent["bf16"]) > sent["minmax_uint8"] > sent["sign"] > 0, \
             f"{name}{o} P={P}: {sent}"
         assert comm_s.get("none", math.inf) > max(comm_s["fp16"], comm_s["bf16"]) > comm_s["minmax_uint8"] > comm_s["sign"]
-    # low_precision_decentralized is decentralized with minmax_uint8; ring_one_way halves ring's bytes (P >= 3)
+    # low_precision_decentralized is decentralized with minmax_uint8 on a one-way ring (half of ring's
+    # bytes at P >= 3)
     lp = cm.predict("low_precision_decentralized", {}, P, work, net, MACHINE)
-    assert lp == cm.predict("decentralized", {"compression": "minmax_uint8"}, P, work, net, MACHINE)
+    assert lp == cm.predict("decentralized", {"compression": "minmax_uint8", "peer_selection": "ring_one_way"},
+                            P, work, net, MACHINE)
     one = cm.bytes_per_rank("decentralized", {"peer_selection": "ring_one_way"}, P, work.buckets())
     assert cm.bytes_per_rank("decentralized", {}, P, work.buckets()) == (2 * one if P >= 3 else one)
 
