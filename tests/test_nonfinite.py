@@ -76,6 +76,31 @@ def _optimizer(kind, net):
     return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
+def _train_step(model, net, opt, scaler, rank, s, out, after_backward=None):
+    """One step under bf16 autocast; at BAD_STEP rank BAD_RANK's loss is multiplied by inf. Records the
+    scaler's scale, a FloatingPointError from the step (the usual "skip the bad step" loop goes on) and
+    the weights after the step."""
+    x, y = _batch(rank, s)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y)
+    if s == BAD_STEP and rank == BAD_RANK:
+        loss = loss * float("inf")
+    (scaler.scale(loss) if scaler else loss).backward()
+    if after_backward is not None:
+        after_backward()
+    try:
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            out["scale"].append(float(scaler.get_scale()))
+        else:
+            opt.step()
+    except FloatingPointError as e:
+        out["errors"].append((s, str(e)))
+    opt.zero_grad()
+    out["weights"].append(_weights(net))
+
+
 def _r_scaled(rank, P, label, scaler_on):
     """Train STEPS steps under bf16 autocast; at BAD_STEP rank BAD_RANK's loss is multiplied by inf."""
     name, options, kind = CASES[label]
@@ -85,25 +110,8 @@ def _r_scaled(rank, P, label, scaler_on):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
     out = {"weights": [], "state": [], "grad_finite": [], "errors": [], "scale": []}
     for s in range(STEPS):
-        x, y = _batch(rank, s)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        if s == BAD_STEP and rank == BAD_RANK:
-            loss = loss * float("inf")
-        (scaler.scale(loss) if scaler else loss).backward()
-        out["grad_finite"].append(all(bool(torch.isfinite(p.grad).all()) for p in net.parameters()
-                                      if p.grad is not None))
-        try:
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-                out["scale"].append(float(scaler.get_scale()))
-            else:
-                opt.step()
-        except FloatingPointError as e:
-            out["errors"].append((s, str(e)))
-        opt.zero_grad()
-        out["weights"].append(_weights(net))
+        _train_step(model, net, opt, scaler, rank, s, out, after_backward=lambda: out["grad_finite"].append(
+            all(bool(torch.isfinite(p.grad).all()) for p in net.parameters() if p.grad is not None)))
         out["state"].append(_sha(model.algorithm_state_dict()))
     model.close()
     return out
@@ -204,23 +212,7 @@ def _r_local(rank, P, label, scaler_on):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
     out = {"weights": [], "opt": [], "errors": [], "scale": []}
     for s in range(LOCAL_STEPS):
-        x, y = _batch(rank, s)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x), y)
-        if s == BAD_STEP and rank == BAD_RANK:
-            loss = loss * float("inf")
-        (scaler.scale(loss) if scaler else loss).backward()
-        try:
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-                out["scale"].append(float(scaler.get_scale()))
-            else:
-                opt.step()
-        except FloatingPointError as e:
-            out["errors"].append((s, str(e)))
-        opt.zero_grad()
-        out["weights"].append(_weights(net))
+        _train_step(model, net, opt, scaler, rank, s, out)
         out["opt"].append(_sha(opt.state_dict()))
     out["step"] = model.algorithm_state_dict()["step"]
     model.close()
