@@ -37,6 +37,10 @@ class ErrorFeedbackSparsifier(Algorithm):
         self.warmup_steps_per_stage = warmup_steps_per_stage
         self.momentum_correction = float(momentum_correction)
 
+    @property
+    def step_dependent_wire(self):
+        return bool(self.warmup_densities) and self.warmup_steps_per_stage > 0  # k follows the schedule
+
     def current_density(self) -> float:
         """The schedule: each warm-up density for ``warmup_steps_per_stage`` steps, then the target."""
         if self.warmup_steps_per_stage > 0:

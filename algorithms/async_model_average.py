@@ -60,6 +60,10 @@ class AsyncModelAverage(Algorithm):
         self._round = threading.Lock()  # a whole round vs. state_dict / load_state_dict
         self._step_locked = False      # the training thread holds _lock (only it reads or writes this)
 
+    @property
+    def step_dependent_wire(self):
+        return self.warmup_steps > 0  # what travels changes when the warm-up ends
+
     def init(self, model):
         ranks = dist.get_process_group_ranks(model.process_group)
         # collective: every rank creates it; the background thread's traffic never meets the model's group

@@ -103,6 +103,8 @@ class GradientAllReduce(Algorithm):
             if backup is not None:
                 residual.copy_(backup)
 
+    step_dependent_wire = False  # the same buckets, sizes and collectives every step
+
     def state_dict(self):
         return {"step": self.step, "residuals": [r.clone() for r in self.residuals if r is not None]}
 

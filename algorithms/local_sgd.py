@@ -34,6 +34,10 @@ class LocalSGD(Algorithm):
         # warm-up steps are dense, then one weight average every `period` steps
         return 1 if self.step < self.warmup_steps else self.period
 
+    @property
+    def step_dependent_wire(self):
+        return self.warmup_steps > 0  # what travels changes when the warm-up ends
+
     def init(self, model):
         self.averager = WeightAverager(model._params, self.compression, "local_sgd")
 

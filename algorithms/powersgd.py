@@ -60,6 +60,10 @@ class PowerSGD(Algorithm):
         n, m = param.shape[0], param.numel() // param.shape[0]
         return n * m >= self.min_compression_rate * (n + m) * self.rank
 
+    @property
+    def step_dependent_wire(self):
+        return self.warmup_steps > 0  # what travels changes when the warm-up ends
+
     def init(self, model):
         """Per bucket: residuals and one wire buffer [Q's | dense gradients], both kept across steps; the
         P's live in scratch shared by the buckets of a dtype and device (the engine runs one at a time)."""

@@ -46,6 +46,10 @@ class QAdam(Algorithm):
         self.warmup_steps, self.compression = warmup_steps, compression
         self._hook, self._synced = None, False
 
+    @property
+    def step_dependent_wire(self):
+        return self.warmup_steps > 0  # what travels changes when the warm-up ends
+
     def init(self, model):
         opt = model.optimizer
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):

@@ -41,6 +41,8 @@ not after the process group's timeout); a hook that raises tells the peers this 
 ``asynchronous``           True for a relaxation whose ranks do not wait for each other every step
                            (asynchronous model averaging): a benchmark must not synchronise its ranks
                            per step to time it, and ranks may take different numbers of steps.
+``step_dependent_wire``    whether what the buckets send depends on the step count (a warm-up, a density
+                           schedule): then ranks compare step counts before any bucket travels
 ``cycle``                  how many steps its communication pattern takes to repeat (1 for most; a
                            periodic relaxation such as local SGD returns its period). Timing an average
                            step means averaging over whole cycles; the benchmark does.
@@ -123,6 +125,17 @@ class Algorithm:
             return True
         self.nonfinite_buckets.add(bucket.index)
         return False
+
+    @property
+    def step_dependent_wire(self) -> bool:
+        """Whether what a step's buckets send (message sizes, which collectives) depends on the step count:
+        a warm-up, a density schedule. Then every synchronised backward first checks, before any bucket
+        travels, that all ranks are at the same step (an extra small collective per step): a rank out of
+        step would otherwise pair collectives of different sizes, which gloo answers with an abort.
+        Otherwise the step count rides in the one agreement after the buckets, and a rank out of step
+        is still reported before anything is applied. Must be the same on every rank (a function of the
+        options only). The default assumes it does; built-ins say False where it cannot."""
+        return True
 
     @property
     def cycle(self) -> int:

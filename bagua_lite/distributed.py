@@ -12,8 +12,10 @@ One step, as data (see DESIGN.md):
    NaN (a loss scaler skips the step; without one ``optimizer.step()`` raises, naming the ranks);
    ``algorithm.after_backward()``.
 4. ``optimizer.step()``, then ``algorithm.after_step()`` (a step post hook on the optimizer).
-A synchronised backward also starts with one tiny all_gather of every rank's step count, so a rank that
-took a step more or fewer than the others is reported (on every rank) before any bucket travels.
+The agreement after the buckets also carries every rank's step count, so a rank that took a step more or
+fewer than the others is reported on every rank before anything is applied; where message sizes depend
+on the step (``algorithm.step_dependent_wire``), a synchronised backward also starts with that check,
+before any bucket travels.
 Buckets are submitted in one fixed order on every rank, so collectives always match across ranks.
 """
 import contextlib
@@ -265,8 +267,10 @@ class DistributedModel(torch.nn.Module):
 
     def _start_backward(self):
         if not self._backward_active:
-            # The step check runs on the engine thread ahead of bucket 0, overlapped with backward.
-            self._engine.submit(-1, self._no_tensor, [self._step_count_check])
+            if self.algorithm.step_dependent_wire:
+                # Sizes depend on the step: check it on the engine ahead of bucket 0, overlapped with
+                # backward. Otherwise the step count rides in the agreement after the buckets.
+                self._engine.submit(-1, self._no_tensor, [self._step_count_check])
             self._backward_active = True
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
@@ -287,13 +291,19 @@ class DistributedModel(torch.nn.Module):
 
     def _step_count_check(self, _flat):
         """Before any bucket travels: do all ranks enter this round at the same step count?"""
-        steps = [r[0] for r in self._gather_ints([self.algorithm.step])]
-        if min(steps) != max(steps):
-            by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-            raise RuntimeError(f"bagua_lite: ranks are out of step: a synchronised backward started at different "
-                               f"optimizer step counts ({by_rank}; this is rank {self.rank}). Every rank must "
-                               f"call backward() and optimizer.step() the same number of times (a rank took an "
-                               f"extra step or skipped one); nothing was exchanged in this round")
+        msg = self._out_of_step([r[0] for r in self._gather_ints([self.algorithm.step])], "nothing was exchanged")
+        if msg:
+            raise RuntimeError(msg)
+
+    def _out_of_step(self, steps, what):
+        """The error for ranks whose step counts differ, or None."""
+        if min(steps) == max(steps):
+            return None
+        by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        return (f"bagua_lite: ranks are out of step: a synchronised backward started at different optimizer step "
+                f"counts ({by_rank}; this is rank {self.rank}). Every rank must call backward() and "
+                f"optimizer.step() the same number of times (a rank took an extra step or skipped one); {what} "
+                f"in this round")
 
     def _agree_after_round(self, unused):
         """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the
@@ -303,12 +313,17 @@ class DistributedModel(torch.nn.Module):
         words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // _BITS] &= ~(1 << (i % _BITS))
-        rows = self._gather_ints([min(bad) if bad else -1] + words)
+        rows = self._gather_ints([min(bad) if bad else -1, self.algorithm.step] + words)
         firsts = [row[0] for row in rows]
-        if any(w != _ALL_USED for row in rows for w in row[1:]):  # some rank left some parameter out
+        msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
+        if msg:
+            self.algorithm.discard_round()
+            self._failfast.announce(msg)  # the model is failed: forward() and optimizer.step() refuse
+            raise RuntimeError(msg)
+        if any(w != _ALL_USED for row in rows for w in row[2:]):  # some rank left some parameter out
             used = [0] * self._used_words
             for row in rows:
-                used = [a | b for a, b in zip(used, row[1:])]
+                used = [a | b for a, b in zip(used, row[2:])]
             for i, p in enumerate(self._params):
                 if not used[i // _BITS] >> (i % _BITS) & 1:
                     p.grad = None
@@ -329,6 +344,9 @@ class DistributedModel(torch.nn.Module):
             f"inf/NaN: learning rate, loss, inputs")
 
     def _before_step(self, optimizer, args, kwargs):
+        if self._failfast.failed is not None:
+            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed}); "
+                               f"nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None:
             raise FloatingPointError(self._nonfinite_error)
         if self._local_bad is not None:

@@ -749,6 +749,20 @@ def _raises(exc, pattern, fn, *args, **kwargs):
     return str(info.value)
 
 
+def test_which_algorithms_check_the_step_before_their_buckets():
+    """The extra step-count collective ahead of bucket 0 runs only where message sizes or collectives
+    depend on the step (a warm-up, a density schedule); a user's algorithm is assumed to depend on it."""
+    expect = {
+        ("gradient_allreduce", ()): False, ("topk", ()): False, ("gtopk", ()): False, ("powersgd", ()): False,
+        ("gtopk", (("warmup_densities", (0.5,)), ("warmup_steps_per_stage", 2))): True,
+        ("powersgd", (("warmup_steps", 2),)): True, ("qadam", (("warmup_steps", 2),)): True,
+        ("local_sgd", (("warmup_steps", 2),)): True, ("local_sgd", ()): False,
+        ("randomk_test", ()): True,
+    }
+    for (name, options), want in expect.items():
+        assert build(name, **dict(options)).step_dependent_wire is want, (name, options)
+
+
 def test_unknown_algorithm_lists_known_ones():
     msg = _raises(ValueError, r"unknown algorithm 'gtop_k'", bagua_lite.parse_config, "algorithm: gtop_k\n")
     for known in ("decentralized", "gradient_allreduce", "gtopk", "local_sgd", "topk", "randomk_test"):
