@@ -240,7 +240,13 @@ class Auto(Algorithm):
                 + f" (alpha={net.alpha:.3g} s, beta={net.beta:.3g} s/B = {gbit} {self.network_source}, "
                   f"{_params(work.numel)} params, compute {work.compute_s:.3g} s{probes}, P={self.model.world_size})")
 
+    def close(self):
+        if self.delegate is not None:
+            self.delegate.close()
+
     def _delegate_to(self, name, opts):
+        if self.delegate is not None:
+            self.delegate.close()  # the probe's (its hooks, if any, go with it)
         d = build(name, **opts)
         d.model = self.model
         d.init(self.model)

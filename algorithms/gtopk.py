@@ -22,8 +22,9 @@ from ._sparse import ErrorFeedbackSparsifier
 @register("gtopk")
 class GTopK(ErrorFeedbackSparsifier):
     def __init__(self, density: float = 0.001, warmup_densities: list = (0.25, 0.0625, 0.016, 0.004),
-                 warmup_steps_per_stage: int = 0, momentum_correction: float = 0.0, exact: bool = False):
-        super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction)
+                 warmup_steps_per_stage: int = 0, momentum_correction=None, layerwise: bool = False,
+                 exact: bool = False):
+        super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction, layerwise)
         self.exact = exact
 
     def aggregate(self, values, indices, acc, flat, bucket):
@@ -34,4 +35,3 @@ class GTopK(ErrorFeedbackSparsifier):
         self.clear_result(flat, bucket.index)           # k entries, not the whole bucket
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
         self._written[bucket.index] = g_indices
-        return sent

@@ -20,4 +20,3 @@ class TopK(ErrorFeedbackSparsifier):
         self.clear_result(flat, bucket.index)
         kernels.scatter_add_(flat, g_values, g_indices)
         self._written[bucket.index] = g_indices
-        return indices

@@ -38,10 +38,11 @@ def make_mlp(seed=0):
 
 
 def optimizer_momentum(algorithm, momentum=0.9):
-    """The optimizer's SGD momentum for ``algorithm``: ``momentum``, unless the algorithm applies momentum
-    itself (DGC's momentum correction, option ``momentum_correction > 0``): then 0, plain SGD, so that
-    momentum is applied once, not compounded on top of the algorithm's own."""
-    return 0.0 if getattr(algorithm, "momentum_correction", 0.0) else momentum
+    """The optimizer's SGD momentum for ``algorithm``: ``momentum``, unless the algorithm was given its own
+    (topk/gtopk with a number ``momentum_correction > 0``): then 0, plain SGD, so that momentum is applied
+    once. With their default, ``momentum_correction: optimizer``, they take the optimizer's momentum."""
+    mc = getattr(algorithm, "momentum_correction", 0.0)
+    return 0.0 if isinstance(mc, float) and mc > 0 else momentum
 
 
 def train_digits(cfg, epochs=20, batch_size=16, lr=0.05, momentum=0.9, schedule="cosine", seed=0):

@@ -90,6 +90,8 @@ CONV = "mode: convergence\nalgorithms: [ddp]\nmodels: [mlp_digits]\n"
     (CONV + "target: 0.9\nmax_steps: 10.5\n", r"max_steps must be an int >= 1, got 10.5"),
     (CONV + "target: 0.9\nmax_steps: 10\ntime_budget_s: 0\n", r"time_budget_s must be a number > 0, got 0"),
     (CONV + "target: 0.9\nmax_steps: 10\nstop_at_target: 'yes'\n", r"stop_at_target must be true or false"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseed: -1\n", r"seed must be an int >= 0, got -1"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseed: 1.5\n", r"seed must be an int >= 0, got 1.5"),
     (CONV + "target: 0.9\nmax_steps: 10\nlr: -0.1\n", r"lr must be a number > 0"),
     (CONV + "target: 0.9\nmax_steps: 10\nsteps: 5\n", r"'steps' is a key of mode throughput, not of mode convergence"),
     ("algorithms: [ddp]\ntarget: 0.9\n", r"'target' is a key of mode convergence, not of mode throughput"),
@@ -105,6 +107,21 @@ def test_convergence_defaults():
     cfg = load_benchmark_config(os.path.join(ROOT, "configs", "benchmark_convergence.yaml"))
     assert cfg["mode"] == "convergence" and cfg["metric"] == "accuracy" and 0 < cfg["target"] <= 1
     assert {a["name"] for a in cfg["algorithms"]} >= {"ddp", "ddp_fp16", "gtopk", "topk", "decentralized", "local_sgd"}
+    assert cfg["seed"] == 0
+
+
+def test_seed_changes_weights_and_data_and_repeats_them():
+    def view(seed):
+        net, spec = zoo.fresh_model("mlp_digits", seed)
+        task = data.make_task(spec, 0, 4, 16, 64, seed)
+        x, y = task.batch(0)
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), x, task.eval_x
+
+    w0, x0, e0 = view(0)
+    w1, x1, e1 = view(1)
+    assert not torch.equal(w0, w1) and not torch.equal(x0, x1)
+    w0b, x0b, e0b = view(0)
+    assert torch.equal(w0, w0b) and torch.equal(x0, x0b) and torch.equal(e0, e0b)
 
 
 # ---- the replica average that is evaluated ----------------------------------------------------------------------

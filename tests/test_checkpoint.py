@@ -24,7 +24,7 @@ CASES = {
     "bytegrad": ("gradient_allreduce", {"compression": "minmax_uint8"}, "sgd"),
     "signsgd": ("gradient_allreduce", {"compression": "sign"}, "sgd"),
     "topk": ("topk", {"density": 0.05}, "sgd"),
-    "gtopk": ("gtopk", {"density": 0.05, "momentum_correction": 0.9}, "sgd"),
+    "gtopk": ("gtopk", {"density": 0.05}, "sgd"),  # momentum correction: the optimizer's momentum (default)
     "decentralized": ("decentralized", {}, "sgd"),
     "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd"),
     "local_sgd": ("local_sgd", {"period": 3, "warmup_steps": 2, "compression": "minmax_uint8"}, "sgd"),

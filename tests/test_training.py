@@ -258,7 +258,8 @@ CENTRALIZED = {
     "hierarchical_fp16": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2,
                                                  "compression": "fp16"}),
     "topk": ("topk", {"density": 0.05, "warmup_densities": [0.5], "warmup_steps_per_stage": 2}),
-    "topk_momentum_correction": ("topk", {"density": 0.05, "momentum_correction": 0.9}),
+    "topk_optimizer_momentum": ("topk", {"density": 0.05, "momentum_correction": 0}),
+    "gtopk_layerwise": ("gtopk", {"density": 0.05, "warmup_densities": [], "layerwise": True}),
     "gtopk": ("gtopk", {"density": 0.05, "warmup_densities": [0.5], "warmup_steps_per_stage": 2}),
     "gtopk_exact": ("gtopk", {"density": 0.05, "warmup_densities": [], "exact": True}),
     "randomk_test": ("randomk_test", {"density": 0.2}),
@@ -336,6 +337,60 @@ def _r_error_feedback_mass(rank, P):
         model.close()
         out[label] = {"grads": grads, "residual": residual, "applied": applied}
     return out
+
+
+def _r_momentum_correction(rank, P):
+    """topk and gtopk at density 1 send everything, so with momentum correction (default: the optimizer's
+    momentum and weight decay, applied before the selection) they must train exactly like DDP with that
+    optimizer: momentum applied once, never masked away, never compounded."""
+    out = {}
+    for label, name, opts in (("topk", "topk", {}), ("gtopk", "gtopk", {}),
+                              ("topk_layerwise", "topk", {"layerwise": True}),
+                              ("gtopk_optimizer_momentum", "gtopk", {"momentum_correction": 0})):
+        base = _mlp()
+        a, b = copy.deepcopy(base), copy.deepcopy(base)
+        sgd = dict(lr=0.05, momentum=0.9, weight_decay=0.01)
+        ddp, opt_a = _ddp(a), torch.optim.SGD(a.parameters(), **sgd)
+        opt_b = torch.optim.SGD(b.parameters(), **sgd)
+        model = bagua_lite.DistributedModel(b, opt_b, build(name, density=1.0, warmup_densities=[], **opts),
+                                            bucket_size_mb=0.004)
+        for s in range(10):
+            x, y = _batch(rank, s)
+            _step(ddp, opt_a, x, y)
+            _step(model, opt_b, x, y)
+        out[label] = {"diff": _max_diff(a, b), "groups": [(g["momentum"], g["weight_decay"]) for g in opt_b.param_groups],
+                      "buffers": sum("momentum_buffer" in opt_b.state.get(p, {}) for p in b.parameters())}
+        model.close()
+    errors = {}
+    for label, opt_kw, opts in (("twice", dict(momentum=0.9), {"momentum_correction": 0.9}),
+                                ("nesterov", dict(momentum=0.9, nesterov=True), {}),
+                                ("dampening", dict(momentum=0.9, dampening=0.1), {})):
+        net = _mlp()
+        try:
+            bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.05, **opt_kw),
+                                        build("gtopk", density=0.1, **opts)).close()
+            errors[label] = None
+        except ValueError as e:
+            errors[label] = str(e)
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.parametrize("P", (1, 3, 4), ids=lambda p: f"P{p}")
+def test_sparse_momentum_correction_at_density_one_is_ddp_with_momentum(clusters, P):
+    res = clusters.get(P).run(_r_momentum_correction, timeout=120)
+    for r, out in enumerate(res):
+        for label in ("topk", "gtopk", "topk_layerwise", "gtopk_optimizer_momentum"):
+            assert out[label]["diff"] < 1e-5, f"rank {r}, {label}: differs from DDP + SGD(momentum, wd) by {out[label]['diff']}"
+            # the user's optimizer reads as configured (momentum and weight decay are suspended only inside step)
+            assert out[label]["groups"] == [(0.9, 0.01)], (label, out[label]["groups"])
+        # with momentum correction the optimizer keeps no momentum of its own; without, it does
+        assert out["topk"]["buffers"] == 0 and out["gtopk"]["buffers"] == 0, out["gtopk"]["buffers"]
+        assert out["gtopk_optimizer_momentum"]["buffers"] == 6
+        err = out["errors"]
+        assert err["twice"] and "momentum would be applied twice" in err["twice"], err["twice"]
+        assert err["nesterov"] and "nesterov=True" in err["nesterov"], err["nesterov"]
+        assert err["dampening"] and "dampening=0.1" in err["dampening"], err["dampening"]
 
 
 @pytest.mark.parametrize("P", WORLD, ids=lambda p: f"P{p}")
@@ -552,9 +607,9 @@ def _r_checkpoints(rank, P):
 
     # gtopk: residuals (and DGC momenta) round-trip through the algorithm's state dict, and resuming from
     # (module, optimizer, algorithm) state continues bit-identically
-    opts = {"density": 0.05, "warmup_densities": [], "momentum_correction": 0.9}
+    opts = {"density": 0.05, "warmup_densities": []}  # momentum correction: the optimizer's (default)
     net = _mlp()
-    opt = _sgd(net, momentum=0.0)
+    opt = _sgd(net)
     model = bagua_lite.DistributedModel(net, opt, build("gtopk", **opts), bucket_size_mb=0.005)
     for s in range(4):
         _step(model, opt, *_batch(rank, s))
@@ -570,7 +625,7 @@ def _r_checkpoints(rank, P):
 
     net2 = _mlp(seed=7)
     net2.load_state_dict(ck_module)
-    opt2 = _sgd(net2, momentum=0.0)
+    opt2 = _sgd(net2)
     opt2.load_state_dict(ck_opt)
     model2 = bagua_lite.DistributedModel(net2, opt2, build("gtopk", **opts), bucket_size_mb=0.005)
     model2.algorithm.load_state_dict(ck_alg)
@@ -585,7 +640,7 @@ def _r_checkpoints(rank, P):
     # without the algorithm state (residuals lost) the continuation differs: the check above is not vacuous
     net3 = _mlp(seed=7)
     net3.load_state_dict(ck_module)
-    opt3 = _sgd(net3, momentum=0.0)
+    opt3 = _sgd(net3)
     opt3.load_state_dict(ck_opt)
     model3 = bagua_lite.DistributedModel(net3, opt3, build("gtopk", **opts), bucket_size_mb=0.005)
     model3.algorithm.step = 4
@@ -790,7 +845,10 @@ def test_misspelled_keys_suggest_nearest(text, pattern):
     ("algorithm:\n  name: gtopk\n  density: 0.01\n  warmup_densities: [0.5, 2.0]\n", ValueError,
      r"every warmup_densities entry must be in \(0, 1\], got 2.0"),
     ("algorithm:\n  name: gtopk\n  warmup_steps_per_stage: -1\n", ValueError, r"warmup_steps_per_stage must be >= 0"),
-    ("algorithm:\n  name: topk\n  momentum_correction: 1.0\n", ValueError, r"momentum_correction must be in \[0, 1\)"),
+    ("algorithm:\n  name: topk\n  momentum_correction: 1.0\n", ValueError,
+     r"momentum_correction must be 'optimizer' .* or a number in \[0, 1\), got 1.0"),
+    ("algorithm:\n  name: topk\n  momentum_correction: adam\n", ValueError, r"momentum_correction .* got 'adam'"),
+    ("algorithm:\n  name: gtopk\n  layerwise: 1\n", TypeError, r"option 'layerwise' must be of type bool"),
     ("algorithm:\n  name: local_sgd\n  period: -2\n", ValueError, r"period must be >= 1, got -2"),
     ("algorithm:\n  name: local_sgd\n  period: 0\n", ValueError, r"period must be >= 1, got 0"),
     ("algorithm:\n  name: local_sgd\n  warmup_steps: -1\n", ValueError, r"warmup_steps must be >= 0"),

@@ -21,6 +21,8 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
 ``time_budget_s`` a training-time budget per cell in seconds (optional; checked at each evaluation).
 ``eval_every``   steps between evaluations (default 20); the time to target is known to this resolution.
 ``eval_samples`` size of the held-out set of the synthetic tasks (default 512; digits has its own 359).
+``seed``         the seed of the weights and of the task's data (default 0; the same for every cell): run
+                 the comparison again with another seed to see how much of a gap is noise.
 ``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
                  every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
 The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``) are
@@ -38,7 +40,7 @@ STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
 MODES = ("throughput", "convergence")
 METRICS = ("accuracy", "loss")
 THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project")
-CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target")
+CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
                "timeout_s", "max_steps", "lr") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
 
@@ -70,7 +72,7 @@ def load_benchmark_config(path):
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
            "max_steps": None, "stragglers": ["none"]}
     if mode == "convergence":
-        out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True)
+        out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0)
     out.update(cfg)
     lr = out["lr"]
     if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0):
@@ -160,6 +162,7 @@ def _check_convergence(cfg):
     number("eval_samples", cfg.get("eval_samples", 512), 1, integer=True)
     if cfg.get("time_budget_s") is not None:
         number("time_budget_s", cfg["time_budget_s"], 0)
+    number("seed", cfg.get("seed", 0), 0, integer=True)
     if not isinstance(cfg.get("stop_at_target", True), bool):
         raise ValueError(f"benchmark config: stop_at_target must be true or false, got {cfg['stop_at_target']!r}")
 

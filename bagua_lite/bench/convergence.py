@@ -54,7 +54,7 @@ def run_cell(cell, cfg, model_name, task, rank, world):
     from .runner import wrap
 
     gc.collect()
-    net, _ = fresh_model(model_name)
+    net, _ = fresh_model(model_name, cfg["seed"])
     eval_net = copy.deepcopy(net)
     model, wrapper, opt = wrap(cell, cfg, net)
     metric, target = cfg["metric"], cfg["target"]
@@ -116,9 +116,9 @@ def run_cell(cell, cfg, model_name, task, rank, world):
 def worker(cfg, network, rank, world, emit):
     """Every convergence cell of this launch (one network, one P), in config order."""
     for model_name in cfg["models"]:
-        net0, spec = fresh_model(model_name)
+        net0, spec = fresh_model(model_name, cfg["seed"])
         numel = sum(p.numel() for p in net0.parameters())
-        task = make_task(spec, rank, world, cfg["batch_size"], cfg["eval_samples"])
+        task = make_task(spec, rank, world, cfg["batch_size"], cfg["eval_samples"], cfg["seed"])
         for cell in cfg["algorithms"]:
             res = run_cell(cell, cfg, model_name, task, rank, world)
             emit({"kind": "convergence", "network": network, "world_size": world, "model": model_name,

@@ -87,8 +87,8 @@ def _tx_bytes():
 def wrap(cell, cfg, net):
     """(model to call, our DistributedModel or None for a DDP baseline, optimizer) of one cell.
 
-    The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm that applies
-    momentum itself (gtopk/topk's ``momentum_correction``, as in ``bagua_lite.demo``)."""
+    The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm given its own
+    (gtopk/topk with a number ``momentum_correction``, as in ``bagua_lite.demo.optimizer_momentum``)."""
     import bagua_lite
     from bagua_lite.demo import optimizer_momentum
 

@@ -189,13 +189,13 @@ class InputSpec:
 _MODEL_CACHE = {}
 
 
-def fresh_model(name):
-    """make_model(name), built once per process and deep-copied after: a 25M-parameter init takes a while."""
+def fresh_model(name, seed=0):
+    """make_model(name, seed), built once per process and deep-copied after: a 25M-parameter init takes a while."""
     import copy
 
-    if name not in _MODEL_CACHE:
-        _MODEL_CACHE[name] = make_model(name)
-    net, spec = _MODEL_CACHE[name]
+    if (name, seed) not in _MODEL_CACHE:
+        _MODEL_CACHE[name, seed] = make_model(name, seed)
+    net, spec = _MODEL_CACHE[name, seed]
     return copy.deepcopy(net), spec
 
 
