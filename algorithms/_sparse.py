@@ -188,18 +188,12 @@ class ErrorFeedbackSparsifier(Algorithm):
             # after it is added below, the slot no longer holds only last step's sparse result.
             self._written[b] = None
         if self._mc:
-            if g is not None and not _C.all_finite(g):
-                self.nonfinite_buckets.add(b)
-                g = None
+            # one pass: u' = m u + g (+ wd w), acc = residual + u'; a non-finite g is left out (u' = m u)
             m, wd = self._momentum_and_decay(b, position)
-            u, u_new = self.momenta[b][lo:hi], self._u[b][lo:hi]
-            if g is not None:
-                torch.add(g, u, alpha=m, out=u_new)
-                if wd:
-                    u_new.add_(bucket.params[position].detach().reshape(-1), alpha=wd)
-            else:
-                torch.mul(u, m, out=u_new)
-            torch.add(residual, u_new, out=acc)
+            w = bucket.params[position].detach().reshape(-1) if wd and g is not None else None
+            if not _C.momentum_add_checked(self._u[b][lo:hi], acc, self.momenta[b][lo:hi], residual, g, m, w, wd) \
+                    and g is not None:
+                self.nonfinite_buckets.add(b)
         elif g is None:
             acc.copy_(residual)
         elif not _C.add_checked(acc, residual, g):  # acc = residual + g, or residual if g holds inf/NaN

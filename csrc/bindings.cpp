@@ -88,6 +88,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, release());
   m.def("add_checked", [](at::Tensor out, const at::Tensor& a, const at::Tensor& b) { return kern::add_checked(out, a, b); },
         py::arg("out"), py::arg("a"), py::arg("b"), release());
+  m.def(
+      "momentum_add_checked",
+      [](at::Tensor u_out, at::Tensor acc_out, const at::Tensor& u, const at::Tensor& residual,
+         std::optional<at::Tensor> g, double m, std::optional<at::Tensor> w, double wd) {
+        return kern::momentum_add_checked(u_out, acc_out, u, residual, g ? *g : at::Tensor(), m, w ? *w : at::Tensor(),
+                                          wd);
+      },
+      py::arg("u_out"), py::arg("acc_out"), py::arg("u"), py::arg("residual"), py::arg("g"), py::arg("m"),
+      py::arg("w") = py::none(), py::arg("wd") = 0.0, release());
 
   // ---- collectives ----
   m.def("allreduce", [](const bl::ProcessGroupPtr& pg, at::Tensor t, bool avg) { coll::allreduce(pg, t, avg); },

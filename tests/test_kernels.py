@@ -402,3 +402,30 @@ def test_checked_kernels_against_numpy(where, bad, dtype):
     strided = torch.full((2 * n,), 7.0, dtype=dtype)[::2]
     assert _C.add_checked(strided, a, b) is finite
     torch.testing.assert_close(strided, a + b if finite else a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", [None, 0, 65536, 200_000 - 1], ids=lambda w: f"bad@{w}")
+@pytest.mark.parametrize("wd", [0.0, 0.01], ids=["no_decay", "decay"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_momentum_add_checked_against_numpy(where, wd, dtype):
+    """topk/gtopk's momentum correction in one pass: u' = m u + g (+ wd w), acc = residual + u'; a
+    non-finite (or absent) g is left out, so the momentum only decays and nothing bad enters acc."""
+    from bagua_lite import _C
+    n, m = 200_000, 0.9
+    u, r, g, w = (_rand(n, s).to(dtype) for s in (1, 2, 3, 4))
+    if where is not None:
+        g[where] = float("nan")
+    finite = where is None
+    f64 = {k: t.double().numpy() for k, t in dict(u=u, r=r, g=g, w=w).items()}
+    want_u = m * f64["u"] + (f64["g"] + wd * f64["w"] if finite else 0.0)
+    for strided in (False, True):  # strided outputs take the generic (ATen) path
+        u_out = torch.full((2 * n,), 7.0, dtype=dtype)[::2] if strided else torch.full_like(u, 7.0)
+        acc = torch.full_like(u, 7.0)
+        assert _C.momentum_add_checked(u_out, acc, u, r, g, m, w if wd else None, wd) is finite
+        tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(u_out.double().numpy(), want_u, **tol)
+        np.testing.assert_allclose(acc.double().numpy(), f64["r"] + u_out.double().numpy(), **tol)
+    # no gradient at all: the momentum decays, and that is not a failure
+    u_out, acc = torch.empty_like(u), torch.empty_like(u)
+    assert _C.momentum_add_checked(u_out, acc, u, r, None, m) is True
+    np.testing.assert_allclose(u_out.double().numpy(), m * f64["u"], **tol)

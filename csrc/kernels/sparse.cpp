@@ -309,5 +309,63 @@ bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
+bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
+                          const at::Tensor& g, double m, const at::Tensor& w, double wd) {
+  const int64_t n = u_out.numel();
+  TORCH_CHECK(acc_out.numel() == n && u.numel() == n && residual.numel() == n && (!g.defined() || g.numel() == n) &&
+                  (!w.defined() || w.numel() == n),
+              "momentum_add_checked: sizes differ (u_out ", n, ", acc_out ", acc_out.numel(), ", u ", u.numel(),
+              ", residual ", residual.numel(), ")");
+  const bool with_w = w.defined() && wd != 0.0;
+  const bool fast = fast_f32(u_out) && fast_f32(acc_out) && fast_f32(u) && fast_f32(residual) &&
+                    (!g.defined() || fast_f32(g)) && (!with_w || fast_f32(w)) && u_out.data_ptr() != u.data_ptr() &&
+                    acc_out.data_ptr() != residual.data_ptr();
+  if (!fast) {
+    const bool ok = !g.defined() || all_finite(g);
+    at::mul_out(u_out, u.view_as(u_out), m);
+    if (ok && g.defined()) u_out.add_(g.view_as(u_out));
+    if (ok && g.defined() && with_w) u_out.add_(w.view_as(u_out), wd);
+    at::add_out(acc_out, residual.view_as(acc_out), u_out);
+    return ok;
+  }
+  const float mf = static_cast<float>(m), wf = static_cast<float>(wd);
+  const float* up = u.const_data_ptr<float>();
+  const float* rp = residual.const_data_ptr<float>();
+  float* uo = u_out.data_ptr<float>();
+  float* ao = acc_out.data_ptr<float>();
+  if (g.defined()) {
+    // One pass: u' = m u + g (+ wd w), acc = residual + u', folding g's exponent bits into the check.
+    const float* gp = g.const_data_ptr<float>();
+    uint32_t bad = 0;
+    if (with_w) {
+      const float* wp = w.const_data_ptr<float>();
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, gp + i, 4);
+        bad |= f32_nonfinite_mask(bits);
+        const float v = mf * up[i] + gp[i] + wf * wp[i];
+        uo[i] = v;
+        ao[i] = rp[i] + v;
+      }
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, gp + i, 4);
+        bad |= f32_nonfinite_mask(bits);
+        const float v = mf * up[i] + gp[i];
+        uo[i] = v;
+        ao[i] = rp[i] + v;
+      }
+    }
+    if (bad == 0) return true;
+  }
+  for (int64_t i = 0; i < n; ++i) {  // no gradient, or a non-finite one: the momentum decays, nothing is added
+    const float v = mf * up[i];
+    uo[i] = v;
+    ao[i] = rp[i] + v;
+  }
+  return !g.defined();
+}
+
 }  // namespace kernels
 }  // namespace bagua_lite

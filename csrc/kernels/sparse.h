@@ -42,6 +42,11 @@ bool all_finite(const at::Tensor& x);
 bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale);
 // out = a + b when b is all finite (returns true); otherwise out = a and returns false. out may alias a.
 bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+// Momentum correction and error feedback in one pass: u_out = m u + g (+ wd w), acc_out = residual + u_out,
+// and whether g was all finite. g undefined or non-finite: u_out = m u, acc_out = residual + u_out (g is
+// left out; returns false if g was given). u_out must not alias u, nor acc_out residual (double buffers).
+bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
+                          const at::Tensor& g, double m, const at::Tensor& w, double wd);
 
 // Check values/indices form a valid sparse argument for a tensor of `numel` elements (clear errors).
 void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn);
