@@ -95,8 +95,12 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        elements: 1 add + half a codec round trip each) is packed. The transfer
                        overlaps with the whole step: exposed = max(0, first + T - busy), busy =
                        compute_s (+ the thread's work when Machine.cores_per_rank < 2: it is taken
-                       from the compute); with cores_per_rank < 2 on a host_local network T is copies
-                       on the computing cores: exposed = T.
+                       from the compute); with cores_per_rank < 2 each message's latency is protocol
+                       work on the computing cores, one alpha per peer sent to (ring: 2), never hidden,
+                       and on a host_local network the bytes are copies on those cores too:
+                       exposed = peers alpha (+ the rest of T, hidden as above; host_local: all of it).
+                       (Measured at P = 4 on 2 cores, 17k parameters: the ring's exchange added 1.6-2 ms
+                       a step, where one hidden alpha predicted none.)
 ``low_precision_decentralized``
                        decentralized with compression minmax_uint8 (and peer_selection ring) by
                        default; compression none is an error, as in the algorithm.
@@ -560,8 +564,13 @@ def _decentralized_comm(o, P, n, e):
             return b, 2 * (P - 1), b
         b = (P - 1) * unit  # ring allgather of every rank's compressed difference
         return b, P - 1, b
-    peers = 2 if mode == "ring" and P >= 3 else 1  # the sends share the rank's link
+    peers = _decentralized_peers(o, P)  # the sends share the rank's link
     return peers * unit, 1, peers * unit
+
+
+def _decentralized_peers(o, P):
+    """Peers a rank sends its weights to in one exchange (not ``all``)."""
+    return 2 if o["peer_selection"] == "ring" and P >= 3 else 1
 
 
 _FIRST_CHUNK = 1 << 20  # algorithms/decentralized.py's FIRST_CHUNK: packed before the wire starts
@@ -809,13 +818,19 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         o = _options(algorithm, options)
         every = o["communication_interval"]
         _, lat, crit = _decentralized_comm(o, P, n_total, e)
+        if shared and P > 1 and o["peer_selection"] != "all":  # the messages' protocol work runs one after another
+            lat = max(lat, _decentralized_peers(o, P))
         transfer = lat * net.alpha + crit * net.beta
         main, thread, first = _decentralized_local_s(o, P, n_total, machine)
         # the transfer (and a compressed exchange's thread) runs during forward + backward + step; on one
         # host with shared cores the thread's work is taken from the compute, and the transfer is copies on
         # the cores that compute, so it hides nothing (as for the buckets)
         busy = work.compute_s + (thread if shared else 0.0)
-        exposed = transfer if shared and net.host_local else max(0.0, first + transfer - busy)
+        if shared:  # every message's latency is protocol work on the cores that compute
+            rest = crit * net.beta
+            exposed = lat * net.alpha + (rest if net.host_local else max(0.0, first + rest - busy))
+        else:
+            exposed = max(0.0, first + transfer - busy)
         return _result(work, (main + thread) / every, transfer / every,
                        (main + (thread if shared else 0.0) + exposed) / every,
                        bytes_per_rank(algorithm, o, P, numels, e))
