@@ -46,6 +46,13 @@ class FailFast:
             except Exception:  # noqa: BLE001 - the store may be gone with the job
                 pass
 
+    def raise_if_failed(self, consequence: str = "") -> None:
+        """Refuse to go on once this model's communication is known to be broken (``consequence``: what
+        that means for the caller, e.g. "nothing is applied")."""
+        if self.failed is not None:
+            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self.failed})"
+                               + (f"; {consequence}" if consequence else ""))
+
     def check(self) -> None:
         """Raise :class:`PeerFailedError` if any rank announced a failure."""
         if self.store is None:

@@ -132,9 +132,7 @@ class DistributedModel(torch.nn.Module):
 
     # ---- user-facing ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        if self._failfast.failed is not None:
-            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed}); "
-                               f"its ranks are out of step for good: restart from the last checkpoint")
+        self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
         if self._sync_enabled and torch.is_grad_enabled():
             self._settle_skipped_step()
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
@@ -344,9 +342,7 @@ class DistributedModel(torch.nn.Module):
             f"inf/NaN: learning rate, loss, inputs")
 
     def _before_step(self, optimizer, args, kwargs):
-        if self._failfast.failed is not None:
-            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed}); "
-                               f"nothing is applied: restart from the last checkpoint")
+        self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None:
             raise FloatingPointError(self._nonfinite_error)
         if self._local_bad is not None:
@@ -436,8 +432,7 @@ class DistributedModel(torch.nn.Module):
         wait for a peer exchange), on the engine thread while this thread waits with fail fast: if a peer
         announced a failure this raises :class:`PeerFailedError` within a second instead of waiting out the
         process group's timeout (30 minutes by default). ``fn``'s result is returned."""
-        if self._failfast.failed is not None:
-            raise RuntimeError(f"bagua_lite: this model's communication failed earlier ({self._failfast.failed})")
+        self._failfast.raise_if_failed()
         result = []
 
         def op(_flat):
