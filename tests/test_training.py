@@ -339,6 +339,42 @@ def _r_error_feedback_mass(rank, P):
     return out
 
 
+def _r_layerwise(rank, P):
+    """Per tensor: how many entries of its gradient the averaged sparse result holds after one step."""
+    out = {}
+    for layerwise in (False, True):
+        net = _mlp()
+        with torch.no_grad():
+            net[2].weight.mul_(30.0)  # a middle layer that dwarfs the gradients before it and after it
+        opt = _sgd(net, momentum=0.0)
+        model = bagua_lite.DistributedModel(net, opt, build("gtopk", density=0.02, warmup_densities=[],
+                                                            layerwise=layerwise), bucket_size_mb=1.0)
+        F.cross_entropy(model(*_batch(rank, 0)[:1]), _batch(rank, 0)[1]).backward()
+        out[layerwise] = {"buckets": len(model.buckets), "k": model.algorithm.k_for(model.buckets[0]),
+                          "nonzero": [int((p.grad != 0).sum()) for p in net.parameters()],
+                          "numel": [p.numel() for p in net.parameters()]}
+        opt.zero_grad()
+        model.close()
+    return out
+
+
+@pytest.mark.parametrize("P", (1, 3), ids=lambda p: f"P{p}")
+def test_layerwise_selection_gives_every_tensor_its_share(clusters, P):
+    for r, out in enumerate(clusters.get(P).run(_r_layerwise, timeout=60)):
+        whole, per = out[False], out[True]
+        assert whole["buckets"] == per["buckets"] == 1
+        # one selection over the bucket leaves some tensor with nothing this step (so the check below means
+        # something): the scaled middle layer takes it all
+        assert 0 in whole["nonzero"], whole
+        # layer-wise: every tensor sends max(1, round(density * n_i)) entries; each rank's selection
+        # survives the global merge only in part, but every tensor gets some
+        want = [max(1, round(0.02 * n)) for n in per["numel"]]
+        assert per["k"] == sum(want), (per["k"], want)
+        assert all(nz > 0 for nz in per["nonzero"]), per
+        if P == 1:  # one rank: exactly its selection
+            assert per["nonzero"] == want, (per["nonzero"], want)
+
+
 def _r_momentum_correction(rank, P):
     """topk and gtopk at density 1 send everything, so with momentum correction (default: the optimizer's
     momentum and weight decay, applied before the selection) they must train exactly like DDP with that
