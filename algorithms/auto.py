@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, comm, cost_model
+from bagua_lite import _C, cost_model
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
 log = logging.getLogger("bagua_lite")
@@ -103,6 +103,7 @@ class Auto(Algorithm):
         self._t0 = None
         self._probe_compute = []
         self._probe_comm_s = 0.0
+        self._probe_ops = []
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def init(self, model):
@@ -124,7 +125,7 @@ class Auto(Algorithm):
             # so the compute time is measured clean (overlapped communication would slow backward down
             # by an amount that depends on the network being probed).
             self._delegate_to("gradient_allreduce", {})
-            self._ops = [[] for _ in model.buckets]
+            self._probe_ops, self._ops = self._ops, [[] for _ in model.buckets]
 
     def bucket_ops(self, bucket):
         def auto_dispatch(flat, i=bucket.index):
@@ -154,9 +155,11 @@ class Auto(Algorithm):
     def after_backward(self):
         self._sync_step()
         if self.picked is None:
+            # the probe delegate's own ops (its buckets hold g / P: it sums), after backward, timed
             t0 = time.perf_counter()
-            for b in self.model.buckets:
-                comm.allreduce(b.flat, "avg", group=self.process_group)
+            for b, ops in zip(self.model.buckets, self._probe_ops):
+                for op in ops:
+                    op(b.flat)
             self._probe_comm_s += time.perf_counter() - t0
         self.delegate.after_backward()
 

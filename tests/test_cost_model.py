@@ -906,6 +906,30 @@ def test_auto_probes_for_real(clusters):
     assert {r["decision"]["network"]["beta"] for r in res} == {d["network"]["beta"]} and d["network"]["beta"] > 0
 
 
+def _r_auto_vs_ddp(rank, P, probe_steps):
+    """auto whose only candidate is dense SGD, probe steps included, against DDP from the same start."""
+    a, b = _net(), _net()
+    ddp = torch.nn.parallel.DistributedDataParallel(a)
+    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
+    model = bagua_lite.DistributedModel(b, opt_b, build("auto", candidates=["gradient_allreduce"], probe_steps=probe_steps,
+                                                        network={"alpha": 1e-5, "beta": 1e-9}, machine=ZERO.__dict__))
+    diffs = []
+    for s in range(probe_steps + 3):
+        _one_step(ddp, opt_a, rank, seed=s)
+        _one_step(model, opt_b, rank, seed=s)
+        diffs.append(max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters())))
+    model.close()
+    return diffs
+
+
+@pytest.mark.parametrize("P", (2, 3, 4), ids=lambda p: f"P{p}")
+def test_auto_probe_steps_are_exact_dense_sgd(clusters, P):
+    # the probe averages the gradients once (its buckets hold g / P and are summed), as DDP does; the first
+    # version averaged g / P again, so auto's first steps moved 1/P as far as they should
+    for r, diffs in enumerate(clusters.get(P).run(_r_auto_vs_ddp, 2, timeout=60)):
+        assert max(diffs) < 1e-6, (r, diffs)
+
+
 def test_auto_single_candidate(clusters):
     P = 4
     res = clusters.get(P).run(_r_auto, {"candidates": [{"name": "local_sgd", "period": 2}], "probe_steps": 1}, 8, False)
