@@ -103,47 +103,47 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._written = [None] * len(model.buckets)
 
     def _resolve_momentum(self, model):
-        """Which tensors get momentum correction, and from where: ``self._mw[bucket][pos]`` is a param group
-        index (the optimizer's momentum and weight decay, read live: schedules and ``load_state_dict``,
-        which replaces the group dicts, are followed), a fixed ``(m, 0.0)``, or None; ``self._suspended``
-        the indices of the groups whose own momentum and weight decay are suspended during the step."""
+        """Momentum correction's sources. Default (``OPTIMIZER``): ``self._suspended`` lists the SGD param
+        groups with momentum, whose momentum and weight decay are applied here and suspended during the
+        step; ``self._group[bucket][pos]`` is a tensor's group index among them (None: no correction). The
+        groups are read live by index, so schedules and ``load_state_dict`` (which replaces the group
+        dicts) are followed. A number m: the same m for every tensor, no weight decay."""
         opt, mc = model.optimizer, self.momentum_correction
-        group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         self._suspended = []
-        if mc == OPTIMIZER:
-            if isinstance(opt, torch.optim.SGD):
-                for i, g in enumerate(opt.param_groups):
-                    if not g.get("momentum"):
-                        continue
-                    for key, plain in (("nesterov", False), ("dampening", 0), ("maximize", False)):
-                        if g.get(key, plain) != plain:
-                            raise ValueError(
-                                f"{self.name}: momentum_correction takes the SGD optimizer's momentum, but param "
-                                f"group {i} sets {key}={g[key]!r}, which it does not apply; use {key}={plain}, or "
-                                f"momentum_correction: 0 to leave the momentum to the optimizer (it then acts on "
-                                f"the sparse averages)")
-                    self._suspended.append(i)
-            mw = lambda p: group_of[id(p)] if group_of.get(id(p)) in self._suspended else None  # noqa: E731
-        else:
-            bad = next((i for i, g in enumerate(opt.param_groups) if g.get("momentum") and mc > 0), None)
+        if mc == OPTIMIZER and isinstance(opt, torch.optim.SGD):
+            for i, g in enumerate(opt.param_groups):
+                if not g.get("momentum"):
+                    continue
+                for key, plain in (("nesterov", False), ("dampening", 0), ("maximize", False)):
+                    if g.get(key, plain) != plain:
+                        raise ValueError(
+                            f"{self.name}: momentum_correction takes the SGD optimizer's momentum, but param "
+                            f"group {i} sets {key}={g[key]!r}, which it does not apply; use {key}={plain}, or "
+                            f"momentum_correction: 0 to leave the momentum to the optimizer (it then acts on "
+                            f"the sparse averages)")
+                self._suspended.append(i)
+        elif mc != OPTIMIZER and mc > 0:
+            bad = next((i for i, g in enumerate(opt.param_groups) if g.get("momentum")), None)
             if bad is not None:
                 raise ValueError(
                     f"{self.name}: momentum_correction={mc} and the optimizer's param group {bad} has momentum "
                     f"{opt.param_groups[bad]['momentum']}: momentum would be applied twice. Use momentum_correction: "
                     f"{OPTIMIZER} (the default: the algorithm takes the optimizer's momentum) or an optimizer "
                     f"without momentum")
-            mw = lambda p: (mc, 0.0) if mc > 0 else None  # noqa: E731
-        self._mw = [[mw(p) for p in b.params] for b in model.buckets]
-        self._mc = any(w is not None for ws in self._mw for w in ws)
+        group_of = {id(p): i for i in self._suspended for p in opt.param_groups[i]["params"]}
+        self._group = [[group_of.get(id(p)) for p in b.params] for b in model.buckets]
+        self._mc = bool(self._suspended) if mc == OPTIMIZER else mc > 0
         self._saved = None
         self._hooks = ([opt.register_step_pre_hook(self._suspend), opt.register_step_post_hook(self._restore)]
                        if self._suspended else [])
 
     def _momentum_and_decay(self, bucket, position):
-        w = self._mw[bucket][position]
-        if w is None or isinstance(w, tuple):
-            return w or (0.0, 0.0)
-        g = self.model.optimizer.param_groups[w]
+        if self.momentum_correction != OPTIMIZER:
+            return self.momentum_correction, 0.0
+        i = self._group[bucket][position]
+        if i is None:
+            return 0.0, 0.0
+        g = self.model.optimizer.param_groups[i]
         return g["momentum"], g["weight_decay"]
 
     def _suspend(self, opt, *_):
@@ -217,7 +217,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         sparsify_and_aggregate.__name__ = f"{self.name}_bucket{bucket.index}"
         return [sparsify_and_aggregate]
 
-    def aggregate(self, values, indices, acc, flat, bucket) -> torch.Tensor:
+    def aggregate(self, values, indices, acc, flat, bucket) -> None:
         """Exchange the selection, write the averaged sparse gradient into ``flat`` (``clear_result``
         first), remove what was sent from ``acc`` (the rest stays as the residual)."""
         raise NotImplementedError

@@ -822,9 +822,9 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
             lat = max(lat, _decentralized_peers(o, P))
         transfer = lat * net.alpha + crit * net.beta
         main, thread, first = _decentralized_local_s(o, P, n_total, machine)
-        # the transfer (and a compressed exchange's thread) runs during forward + backward + step; on one
-        # host with shared cores the thread's work is taken from the compute, and the transfer is copies on
-        # the cores that compute, so it hides nothing (as for the buckets)
+        # the transfer (and a compressed exchange's thread) runs during forward + backward + step; with
+        # shared cores the thread's work is taken from the compute, each message's latency is protocol work
+        # on those cores, and on one host (host_local) the bytes are copies on them too: none of it hides
         busy = work.compute_s + (thread if shared else 0.0)
         if shared:  # every message's latency is protocol work on the cores that compute
             rest = crit * net.beta
