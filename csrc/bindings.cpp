@@ -98,6 +98,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("u_out"), py::arg("acc_out"), py::arg("u"), py::arg("residual"), py::arg("g"), py::arg("m"),
       py::arg("w") = py::none(), py::arg("wd") = 0.0, release());
 
+  m.def(
+      "sparse_sgd_step_",
+      [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, const at::Tensor& flat,
+         const at::Tensor& indices, const std::vector<double>& lrs) {
+        kern::sparse_sgd_step_(params, offsets, flat, indices, lrs);
+      },
+      py::arg("params"), py::arg("offsets"), py::arg("flat"), py::arg("indices"), py::arg("lrs"), release());
+
   // ---- collectives ----
   m.def("allreduce", [](const bl::ProcessGroupPtr& pg, at::Tensor t, bool avg) { coll::allreduce(pg, t, avg); },
         py::arg("pg"), py::arg("t"), py::arg("average"), release());

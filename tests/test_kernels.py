@@ -429,3 +429,52 @@ def test_momentum_add_checked_against_numpy(where, wd, dtype):
     u_out, acc = torch.empty_like(u), torch.empty_like(u)
     assert _C.momentum_add_checked(u_out, acc, u, r, None, m) is True
     np.testing.assert_allclose(u_out.double().numpy(), m * f64["u"], **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sparse_sgd_step_against_numpy(dtype):
+    """w -= lr * flat at each distinct index (duplicates once), per parameter slot with its own lr;
+    positions outside the slots handed in (another optimizer's, or a gap) stay untouched."""
+    _C = bagua_lite._C
+    g = torch.Generator().manual_seed(5)
+    sizes, offsets, lrs = [7, 1, 300, 40], [0, 7, 10, 310], [0.1, 0.5, 0.03, 2.0]  # a gap at 8..9
+    n = 360                                                                        # a tail at 350..359
+    params = [torch.randn(s, generator=g, dtype=dtype) for s in sizes]
+    flat = torch.randn(n, generator=g, dtype=dtype)
+    idx = torch.randint(0, n, (200,), generator=g, dtype=torch.int32)
+    idx = torch.cat([idx, idx[:50], torch.tensor([0, 6, 7, 8, 9, 10, 349, 350, 359], dtype=torch.int32)])
+    want = [p.numpy().copy() for p in params]
+    for i in sorted(set(idx.tolist())):
+        for w, off, lr in zip(want, offsets, lrs):
+            if off <= i < off + len(w):
+                w[i - off] -= lr * flat[i].item()
+    hand_in = [0, 2, 3]  # param 1 belongs to another optimizer: not handed in
+    _C.sparse_sgd_step_([params[j] for j in hand_in], [offsets[j] for j in hand_in], flat, idx,
+                        [lrs[j] for j in hand_in])
+    for j, (p, w) in enumerate(zip(params, want)):
+        if j == 1:
+            assert not np.array_equal(p.numpy(), w)  # its entry 7 was in idx, and it was left alone
+            continue
+        np.testing.assert_allclose(p.numpy(), w, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=1e-7)
+    # a second call with the same indices applies again (the duplicate-tracking state is per call)
+    before = params[0].clone()
+    _C.sparse_sgd_step_([params[0]], [0], flat, torch.tensor([3, 3], dtype=torch.int32), [1.0])
+    assert float(params[0][3]) == pytest.approx(float(before[3] - flat[3]), rel=1e-6)
+
+
+def test_sparse_sgd_step_rejects_bad_arguments():
+    _C = bagua_lite._C
+    flat, p = torch.zeros(10), torch.zeros(4)
+    ok = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="index 10 out of range"):
+        _C.sparse_sgd_step_([p], [0], flat, torch.tensor([10], dtype=torch.int32), [0.1])
+    with pytest.raises(ValueError, match="int32"):
+        _C.sparse_sgd_step_([p], [0], flat, torch.tensor([1]), [0.1])
+    with pytest.raises(ValueError, match="is not an ascending, non-overlapping slot"):
+        _C.sparse_sgd_step_([p, p], [0, 2], flat, ok, [0.1, 0.1])
+    with pytest.raises(ValueError, match="is not an ascending, non-overlapping slot"):
+        _C.sparse_sgd_step_([p], [8], flat, ok, [0.1])
+    with pytest.raises(ValueError, match="one each"):
+        _C.sparse_sgd_step_([p], [0], flat, ok, [])
+    with pytest.raises(ValueError, match="of flat's dtype"):
+        _C.sparse_sgd_step_([p.double()], [0], flat, ok, [0.1])

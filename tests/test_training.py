@@ -412,6 +412,64 @@ def _r_momentum_correction(rank, P):
     return out
 
 
+def _r_sparse_optimizer_step(rank, P):
+    """topk/gtopk at density 0.1 with momentum correction: the optimizer's step is applied at the k entries
+    the sparse result wrote (its dense pass skipped: .grad is None inside step, back afterwards), and the
+    weights end as the optimizer's own dense step leaves them. A clip_grad_norm_ (in place on the .grad
+    views) sends the bucket through the optimizer's dense step, which must see the clipped values."""
+    out = {}
+    for name in ("topk", "gtopk"):
+        base = _mlp()
+        nets = {"sparse": copy.deepcopy(base), "dense": copy.deepcopy(base), "clipped": copy.deepcopy(base)}
+        models, opts, hidden = {}, {}, {k: [] for k in nets}
+        for k, net in nets.items():
+            opts[k] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+            models[k] = bagua_lite.DistributedModel(net, opts[k], build(name, density=0.1, warmup_densities=[]),
+                                                    bucket_size_mb=0.004)
+            # registered after the algorithm's hooks: sees what torch's SGD sees
+            opts[k].register_step_pre_hook(lambda o, *_, k=k: hidden[k].append(
+                sum(p.grad is None for g in o.param_groups for p in g["params"])))
+        grads_after, updates = [], []
+        for s in range(8):
+            x, y = _batch(rank, s)
+            for k in nets:
+                F.cross_entropy(models[k](x), y).backward()
+                if k == "dense":  # max_norm huge: scales by exactly 1, but in place (the bucket's version moves)
+                    torch.nn.utils.clip_grad_norm_(nets[k].parameters(), 1e9)
+                elif k == "clipped":
+                    torch.nn.utils.clip_grad_norm_(nets[k].parameters(), 0.05)
+                before = [p.detach().clone() for p in nets[k].parameters()]
+                opts[k].step()
+                grads = [p.grad for p in nets[k].parameters()]
+                if k != "dense":
+                    # w_after = w_before - lr * g, with g the (clipped) gradient the step saw
+                    updates.append(max(float((p.detach() - (w - 0.05 * g)).abs().max())
+                                       for p, w, g in zip(nets[k].parameters(), before, grads)))
+                if k == "sparse":
+                    grads_after.append(all(g is not None for g in grads))
+                opts[k].zero_grad()
+        out[name] = {"diff": _max_diff(nets["sparse"], nets["dense"]), "hidden": hidden,
+                     "grads_after": grads_after, "update_err": max(updates),
+                     "clipped_moved": _max_diff(nets["clipped"], nets["dense"]),
+                     "nparams": len(list(base.parameters()))}
+        for m in models.values():
+            m.close()
+    return out
+
+
+@pytest.mark.parametrize("P", (1, 3), ids=lambda p: f"P{p}")
+def test_sparse_optimizer_step_is_the_optimizers_step(clusters, P):
+    for r, res in enumerate(clusters.get(P).run(_r_sparse_optimizer_step, timeout=120)):
+        for name, o in res.items():
+            n = o["nparams"]
+            assert o["hidden"]["sparse"] == [n] * 8, (r, name, o["hidden"])   # torch's SGD saw no gradient
+            assert o["hidden"]["dense"] == [0] * 8 and o["hidden"]["clipped"] == [0] * 8, (r, name, o["hidden"])
+            assert all(o["grads_after"]), (r, name)                           # and .grad is back after step
+            assert o["diff"] < 1e-6, (r, name, o["diff"])                     # the same weights as the dense step
+            assert o["update_err"] < 1e-6, (r, name, o["update_err"])
+            assert o["clipped_moved"] > 1e-4, (r, name, o["clipped_moved"])   # the clip mattered
+
+
 @pytest.mark.parametrize("P", (1, 3, 4), ids=lambda p: f"P{p}")
 def test_sparse_momentum_correction_at_density_one_is_ddp_with_momentum(clusters, P):
     res = clusters.get(P).run(_r_momentum_correction, timeout=120)

@@ -48,6 +48,14 @@ bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
                           const at::Tensor& g, double m, const at::Tensor& w, double wd);
 
+// SGD's plain update (no momentum, no decay: the caller applied those) at the entries a sparse result
+// wrote, instead of a pass over every weight: for each distinct i in indices (int32 bucket positions,
+// duplicates applied once), the parameter p whose slot [offsets[p], offsets[p] + numel) holds i gets
+// w[i - offsets[p]] -= lrs[p] * flat[i]. Positions outside every slot handed in are left alone; offsets
+// ascend and the slots do not overlap.
+void sparse_sgd_step_(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
+                      const at::Tensor& flat, const at::Tensor& indices, const std::vector<double>& lrs);
+
 // Check values/indices form a valid sparse argument for a tensor of `numel` elements (clear errors).
 void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn);
 
