@@ -138,6 +138,13 @@ class Auto(Algorithm):
     def cycle(self):
         return self.delegate.cycle if self.delegate is not None else 1
 
+    @property
+    def step_dependent_wire(self):
+        """While probing and on the pick's first step (what travels changes there): yes. Afterwards the
+        pick's own answer, so a pick whose messages never change (gradient_allreduce) pays no step check
+        ahead of its buckets, exactly as it would run on its own."""
+        return self.picked is None or self.step <= self._base_step or self.delegate.step_dependent_wire
+
     # ---- per step: delegate --------------------------------------------------------------------------------
     def sync_gradients(self):
         self._sync_step()

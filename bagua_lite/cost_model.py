@@ -958,7 +958,7 @@ def efficiencies_from_results(results, model: Optional[str] = None, world_size: 
     """Efficiencies from the benchmark's convergence results (``results.json``: a path, its parsed dict,
     or its ``rows``), keyed by the rows' labels (``algorithm``), and by name where a name has one label.
 
-    Per (network, P, model) cell (restricted to ``model``, ``world_size``, ``network`` when given), the
+    Per (network, P, model, seed) cell (restricted to ``model``, ``world_size``, ``network`` when given), the
     reference is the first row of a ``dense`` algorithm (``ddp``, or ``gradient_allreduce`` with no
     compression) that reached the target: ratio = steps_to_target / its steps_to_target. A row that never
     reached the target gets the penalty ``steps_run / dense steps`` (its budget over dense's steps: a lower
@@ -980,7 +980,7 @@ def efficiencies_from_results(results, model: Optional[str] = None, world_size: 
         if (model is not None and r["model"] != model) or (world_size is not None and r["world_size"] != world_size) \
                 or (network is not None and r["network"] != network) or r.get("name") == "auto":
             continue
-        cells.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+        cells.setdefault((r["network"], r["world_size"], r["model"], r.get("seed", 0)), []).append(r)
     ratios, names = {}, {}
     for rs in cells.values():
         ref = next((r for r in rs if r.get("name") in dense and r["steps_to_target"]

@@ -92,6 +92,11 @@ CONV = "mode: convergence\nalgorithms: [ddp]\nmodels: [mlp_digits]\n"
     (CONV + "target: 0.9\nmax_steps: 10\nstop_at_target: 'yes'\n", r"stop_at_target must be true or false"),
     (CONV + "target: 0.9\nmax_steps: 10\nseed: -1\n", r"seed must be an int >= 0, got -1"),
     (CONV + "target: 0.9\nmax_steps: 10\nseed: 1.5\n", r"seed must be an int >= 0, got 1.5"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseeds: []\n", r"seeds must be a non-empty list of ints >= 0, got \[\]"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseeds: 3\n", r"seeds must be a non-empty list of ints >= 0, got 3"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseeds: [0, -2]\n", r"seeds entry must be an int >= 0, got -2"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseeds: [1, 1]\n", r"seeds lists a seed twice: \[1, 1\]"),
+    (CONV + "target: 0.9\nmax_steps: 10\nseed: 1\nseeds: [1, 2]\n", r"give seed \(one\) or seeds \(a list\), not both"),
     (CONV + "target: 0.9\nmax_steps: 10\nlr: -0.1\n", r"lr must be a number > 0"),
     (CONV + "target: 0.9\nmax_steps: 10\nsteps: 5\n", r"'steps' is a key of mode throughput, not of mode convergence"),
     ("algorithms: [ddp]\ntarget: 0.9\n", r"'target' is a key of mode convergence, not of mode throughput"),
@@ -107,7 +112,43 @@ def test_convergence_defaults():
     cfg = load_benchmark_config(os.path.join(ROOT, "configs", "benchmark_convergence.yaml"))
     assert cfg["mode"] == "convergence" and cfg["metric"] == "accuracy" and 0 < cfg["target"] <= 1
     assert {a["name"] for a in cfg["algorithms"]} >= {"ddp", "ddp_fp16", "gtopk", "topk", "decentralized", "local_sgd"}
-    assert cfg["seed"] == 0
+    assert cfg["seeds"] and cfg["seed"] == cfg["seeds"][0]
+
+
+def _seed_row(name, seed, t, steps=None, final=0.9, network="loopback"):
+    return {"network": network, "world_size": 4, "model": "mlp_digits", "algorithm": name, "name": name,
+            "optimizer": "sgd", "seed": seed, "metric": "accuracy", "target": 0.8, "time_to_target_s": t,
+            "steps_to_target": steps, "final_metric": final, "final_loss": 0.3, "step_s": 0.01, "steps_run": 50,
+            "train_s": 0.5, "eval_s": 0.1, "picked": None, "decision": "line", "curve": [[0, 0.0, 0.1, 2.0]]}
+
+
+def test_combine_seeds_takes_medians_and_counts_a_miss_as_infinite():
+    from bagua_lite.bench.report import combine_seeds
+    rows = [_seed_row("ddp", 0, 1.0, 40), _seed_row("ddp", 1, 3.0, 42), _seed_row("ddp", 2, 2.0, 41),
+            _seed_row("local_sgd", 2, 0.6, 30, 0.95), _seed_row("local_sgd", 0, None, None, 0.7),
+            _seed_row("local_sgd", 1, 0.4, 28, 0.92),
+            _seed_row("topk", 0, None, None), _seed_row("topk", 1, None, None), _seed_row("topk", 2, 0.1, 5)]
+    got = {r["algorithm"]: r for r in combine_seeds(rows)}
+    assert got["ddp"]["time_to_target_s"] == 2.0 and got["ddp"]["steps_to_target"] == 41
+    assert got["ddp"]["seeds"] == [0, 1, 2] and got["ddp"]["time_to_target_by_seed"] == [1.0, 3.0, 2.0]
+    # one miss of three: the median is the slower of the two that reached it
+    assert got["local_sgd"]["time_to_target_s"] == 0.6 and got["local_sgd"]["steps_to_target"] == 30
+    assert got["local_sgd"]["time_to_target_by_seed"] == [None, 0.4, 0.6]
+    assert got["local_sgd"]["final_metric"] == 0.92 and got["local_sgd"]["speedup_vs_ddp"] == 2.0 / 0.6
+    assert "seed" not in got["local_sgd"] and got["local_sgd"]["decision"] is None
+    # two misses of three: not reached, whatever the lucky seed did
+    assert got["topk"]["time_to_target_s"] is None and got["topk"]["speedup_vs_ddp"] is None
+    # one seed: the row itself
+    one = combine_seeds([_seed_row("ddp", 5, 1.5, 40)])[0]
+    assert one["time_to_target_s"] == 1.5 and one["seed"] == 5 and one["seeds"] == [5] and one["decision"] == "line"
+
+
+def test_efficiencies_from_results_compare_within_a_seed():
+    from bagua_lite import cost_model
+    # seed 0: dense 40 steps, topk 80 (2.0); seed 1: dense 20, topk 30 (1.5): median 1.75, never 80 / 20
+    rows = [_seed_row("ddp", 0, 1.0, 40), _seed_row("topk", 0, 1.0, 80),
+            _seed_row("ddp", 1, 1.0, 20), _seed_row("topk", 1, 1.0, 30)]
+    assert cost_model.efficiencies_from_results(rows)["topk"] == pytest.approx(1.75)
 
 
 def test_seed_changes_weights_and_data_and_repeats_them():

@@ -913,21 +913,25 @@ def _r_auto_vs_ddp(rank, P, probe_steps):
     opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
     model = bagua_lite.DistributedModel(b, opt_b, build("auto", candidates=["gradient_allreduce"], probe_steps=probe_steps,
                                                         network={"alpha": 1e-5, "beta": 1e-9}, machine=ZERO.__dict__))
-    diffs = []
+    diffs, checks = [], []
     for s in range(probe_steps + 3):
+        checks.append(model.algorithm.step_dependent_wire)  # read when the step's backward starts
         _one_step(ddp, opt_a, rank, seed=s)
         _one_step(model, opt_b, rank, seed=s)
         diffs.append(max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters())))
     model.close()
-    return diffs
+    return diffs, checks
 
 
 @pytest.mark.parametrize("P", (2, 3, 4), ids=lambda p: f"P{p}")
 def test_auto_probe_steps_are_exact_dense_sgd(clusters, P):
     # the probe averages the gradients once (its buckets hold g / P and are summed), as DDP does; the first
     # version averaged g / P again, so auto's first steps moved 1/P as far as they should
-    for r, diffs in enumerate(clusters.get(P).run(_r_auto_vs_ddp, 2, timeout=60)):
+    for r, (diffs, checks) in enumerate(clusters.get(P).run(_r_auto_vs_ddp, 2, timeout=60)):
         assert max(diffs) < 1e-6, (r, diffs)
+        # the step check ahead of the buckets: while probing and on the pick's first step, then the pick's
+        # own answer (gradient_allreduce: none), so auto costs no extra collective per step afterwards
+        assert checks == [True, True, True, False, False], (r, checks)
 
 
 def test_auto_single_candidate(clusters):

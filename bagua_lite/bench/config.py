@@ -21,8 +21,11 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
 ``time_budget_s`` a training-time budget per cell in seconds (optional; checked at each evaluation).
 ``eval_every``   steps between evaluations (default 20); the time to target is known to this resolution.
 ``eval_samples`` size of the held-out set of the synthetic tasks (default 512; digits has its own 359).
-``seed``         the seed of the weights and of the task's data (default 0; the same for every cell): run
-                 the comparison again with another seed to see how much of a gap is noise.
+``seed``         the seed of the weights and of the task's data (default 0; the same for every cell).
+``seeds``        instead of ``seed``, a list of seeds: every cell runs once per seed, and the tables, the
+                 plot's ranking and auto's score take the median over seeds (time to target of a seed
+                 that never reached it counts as infinite), so a gap that is one trajectory's noise does
+                 not decide. The JSON/CSV keep one row per seed.
 ``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
                  every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
 The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``) are
@@ -40,7 +43,8 @@ STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
 MODES = ("throughput", "convergence")
 METRICS = ("accuracy", "loss")
 THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project")
-CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed")
+CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
+                    "seeds")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
                "timeout_s", "max_steps", "lr") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
 
@@ -74,6 +78,9 @@ def load_benchmark_config(path):
     if mode == "convergence":
         out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0)
     out.update(cfg)
+    if mode == "convergence":
+        out["seeds"] = list(cfg.get("seeds", [out["seed"]]))
+        out["seed"] = out["seeds"][0]
     lr = out["lr"]
     if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0):
         raise ValueError(f"benchmark config: lr must be a number > 0 (or absent: the optimizer's default), got {lr!r}")
@@ -163,6 +170,16 @@ def _check_convergence(cfg):
     if cfg.get("time_budget_s") is not None:
         number("time_budget_s", cfg["time_budget_s"], 0)
     number("seed", cfg.get("seed", 0), 0, integer=True)
+    if "seeds" in cfg:
+        seeds = cfg["seeds"]
+        if "seed" in cfg:
+            raise ValueError("benchmark config: give seed (one) or seeds (a list), not both")
+        if not isinstance(seeds, list) or not seeds:
+            raise ValueError(f"benchmark config: seeds must be a non-empty list of ints >= 0, got {seeds!r}")
+        for v in seeds:
+            number("seeds entry", v, 0, integer=True)
+        if len(set(seeds)) != len(seeds):
+            raise ValueError(f"benchmark config: seeds lists a seed twice: {seeds!r}")
     if not isinstance(cfg.get("stop_at_target", True), bool):
         raise ValueError(f"benchmark config: stop_at_target must be true or false, got {cfg['stop_at_target']!r}")
 

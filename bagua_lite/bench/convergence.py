@@ -114,14 +114,16 @@ def run_cell(cell, cfg, model_name, task, rank, world):
 
 
 def worker(cfg, network, rank, world, emit):
-    """Every convergence cell of this launch (one network, one P), in config order."""
-    for model_name in cfg["models"]:
-        net0, spec = fresh_model(model_name, cfg["seed"])
-        numel = sum(p.numel() for p in net0.parameters())
-        task = make_task(spec, rank, world, cfg["batch_size"], cfg["eval_samples"], cfg["seed"])
-        for cell in cfg["algorithms"]:
-            res = run_cell(cell, cfg, model_name, task, rank, world)
-            emit({"kind": "convergence", "network": network, "world_size": world, "model": model_name,
-                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
-                  "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
-                  "lr": cfg.get("lr"), **res})
+    """Every convergence cell of this launch (one network, one P), in config order, once per seed."""
+    for seed in cfg.get("seeds") or [cfg["seed"]]:
+        scfg = {**cfg, "seed": seed}
+        for model_name in cfg["models"]:
+            net0, spec = fresh_model(model_name, seed)
+            numel = sum(p.numel() for p in net0.parameters())
+            task = make_task(spec, rank, world, cfg["batch_size"], cfg["eval_samples"], seed)
+            for cell in cfg["algorithms"]:
+                res = run_cell(cell, scfg, model_name, task, rank, world)
+                emit({"kind": "convergence", "network": network, "world_size": world, "model": model_name,
+                      "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                      "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
+                      "lr": cfg.get("lr"), "seed": seed, **res})

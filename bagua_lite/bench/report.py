@@ -249,24 +249,66 @@ def write_outputs(rows, projections, out_dir):
 
 # ---- convergence mode -----------------------------------------------------------------------------------------
 def summarize_convergence(records):
-    """One row per convergence cell; ``speedup_vs_ddp`` compares times to target with the plain DDP cell
-    (same optimizer if measured) of the same network, P and model, when both reached it."""
+    """One row per convergence cell and seed; ``speedup_vs_ddp`` compares times to target with the plain
+    DDP cell (same optimizer if measured) of the same network, P, model and seed, when both reached it."""
     cells = [r for r in records if r["kind"] == "convergence"]
     rows = []
     for c in cells:
-        ddp = _ddp_baseline(cells, c)
+        ddp = _ddp_baseline([d for d in cells if d.get("seed") == c.get("seed")], c)
         ours, base = c["time_to_target_s"], ddp["time_to_target_s"] if ddp else None
         rows.append({
             "network": c["network"], "world_size": c["world_size"], "model": c["model"], "algorithm": c["label"],
-            "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "metric": c["metric"],
-            "target": c["target"], "steps_to_target": c["steps_to_target"], "time_to_target_s": ours,
-            "final_metric": c["final_metric"], "final_loss": c["final_loss"], "step_s": c["step_s"],
-            "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
+            "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "seed": c.get("seed", 0),
+            "metric": c["metric"], "target": c["target"], "steps_to_target": c["steps_to_target"],
+            "time_to_target_s": ours, "final_metric": c["final_metric"], "final_loss": c["final_loss"],
+            "step_s": c["step_s"], "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
             "speedup_vs_ddp": (base / ours) if ours and base else None,
             "ddp_baseline": ddp["label"] if ddp else None, "picked": c.get("picked"),
             "decision": c.get("decision"), "curve": c["curve"],
         })
     return rows
+
+
+def _median_or_none(values):
+    """The median, where None (a target never reached) counts as infinite; None if the median is."""
+    v = statistics.median(float("inf") if x is None else x for x in values)
+    return None if v == float("inf") else v
+
+
+def combine_seeds(rows):
+    """One row per (network, P, model, algorithm) over its seeds: the median time to target (a seed that
+    never reached it counts as infinite, so the median is None when at most half reached it), median steps
+    to target, final metric and s/step; ``seeds`` and ``time_to_target_by_seed`` list what went in;
+    ``speedup_vs_ddp`` is DDP's median time over this row's. With one seed per cell, the rows themselves
+    (with ``seeds`` and ``time_to_target_by_seed`` added)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"], r["algorithm"]), []).append(r)
+    out = []
+    for rs in groups.values():
+        rs = sorted(rs, key=lambda r: r.get("seed", 0))
+        row = dict(rs[0])
+        row["seeds"] = [r.get("seed", 0) for r in rs]
+        row["time_to_target_by_seed"] = [r["time_to_target_s"] for r in rs]
+        picks = [r.get("picked") for r in rs if r.get("picked")]
+        if len(rs) > 1:
+            for key in ("time_to_target_s", "steps_to_target"):
+                row[key] = _median_or_none([r[key] for r in rs])
+            row.pop("seed", None)
+            row["decision"] = None  # per seed, in the rows
+            for key in ("final_metric", "final_loss", "step_s", "train_s", "eval_s"):
+                vals = [r[key] for r in rs if r[key] is not None]
+                row[key] = statistics.median(vals) if vals else None
+            row["steps_run"] = max(r["steps_run"] for r in rs)
+            row["picked"] = "/".join(dict.fromkeys(picks)) or None
+        out.append(row)
+    for row in out:
+        group = [d for d in out if d["name"] == "ddp" and (d["network"], d["world_size"], d["model"])
+                 == (row["network"], row["world_size"], row["model"])]
+        ddp = ([d for d in group if d["optimizer"] == row["optimizer"]] or group or [None])[0]
+        base = ddp["time_to_target_s"] if ddp else None
+        row["speedup_vs_ddp"] = base / row["time_to_target_s"] if base and row["time_to_target_s"] else None
+    return out
 
 
 def _by_time_to_target(r):
@@ -278,30 +320,39 @@ def _by_time_to_target(r):
 
 
 def print_convergence_table(rows, out=sys.stdout):
+    """One table per (network, P, model), sorted by time to target; ``rows`` as ``combine_seeds`` returns
+    them (with several seeds the figures are medians, and a last column gives each seed's time)."""
     groups = {}
+    several = any(len(r.get("seeds") or [0]) > 1 for r in rows)
     for r in rows:
         groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
     for (network, P, model), rs in groups.items():
         metric, target = rs[0]["metric"], rs[0]["target"]
+        seeds = rs[0].get("seeds") or [0]
         print(f"\n{model} on {network}, P={P}: time to held-out {metric} {'>=' if metric == 'accuracy' else '<='} "
-              f"{target} (training wall time, evaluations excluded)", file=out)
+              f"{target} (training wall time, evaluations excluded)"
+              + (f"; medians over seeds {', '.join(map(str, seeds))}" if several else ""), file=out)
         hdr = (f"{'algorithm':<34}{'time to target':>15}{'steps':>7}{'vs DDP':>8}{'s/step':>8}"
-               f"{'final ' + metric:>16}{'steps run':>10}")
+               f"{'final ' + metric:>16}{'steps run':>10}" + ("  per seed (s)" if several else ""))
         print(hdr, file=out)
         print("-" * len(hdr), file=out)
         for r in sorted(rs, key=_by_time_to_target):
             t = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f} s"
-            n = "-" if r["steps_to_target"] is None else str(r["steps_to_target"])
+            n = "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:g}"
+            per_seed = ""
+            if several:
+                per_seed = "  " + " ".join("-" if t is None else f"{t:.2f}" for t in r["time_to_target_by_seed"])
             v = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}"
             print(f"{r['algorithm'][:33]:<34}{t:>15}{n:>7}{v:>8}{r['step_s']:>8.4f}{r['final_metric']:>16.4f}"
-                  f"{r['steps_run']:>10}", file=out)
+                  f"{r['steps_run']:>10}{per_seed}", file=out)
     print("'-': the target was not reached within the budget. vs DDP: DDP's time to target over this row's. "
           "Evaluated: the average of the replicas (rank 0's model for synchronous algorithms).", file=out)
 
 
 def auto_convergence_report(rows, out=sys.stdout):
     """Per (network, P, model) cell with an ``auto`` row: auto's time to target against the best measured
-    other algorithm's, within 10% or not; then how many cells were within. Returns (within, cells)."""
+    other algorithm's, within 10% or not; then how many cells were within. Returns (within, cells).
+    ``rows`` as ``combine_seeds`` returns them: with several seeds, medians over seeds are compared."""
     groups = {}
     for r in rows:
         groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
@@ -331,16 +382,21 @@ def auto_convergence_report(rows, out=sys.stdout):
 
 
 def write_convergence_outputs(rows, out_dir):
-    """results.json (with every evaluation's [step, seconds, metric, loss]), results.csv (without the
-    curves) and one ``convergence_<model>.png`` per model: the metric against training seconds, one panel
+    """results.json (``rows``: one per cell and seed, with every evaluation's [step, seconds, metric, loss];
+    ``summary``: ``combine_seeds``'s rows without curves), results.csv (the rows without the curves) and one
+    ``convergence_<model>.png`` per model (the first seed's curves): the metric against training seconds, one panel
     per network and P, one line per algorithm. Returns the names of the plots written."""
-    _write_results(out_dir, {"mode": "convergence", "rows": rows}, rows, [k for k in rows[0] if k != "curve"])
+    summary = [{k: v for k, v in r.items() if k != "curve"} for r in combine_seeds(rows)]
+    _write_results(out_dir, {"mode": "convergence", "rows": rows, "summary": summary}, rows,
+                   [k for k in rows[0] if k != "curve"])
     plt = _pyplot()
     if plt is None:
         return []
     written = []
+    first_seed = min(r.get("seed", 0) for r in rows)
+    several = len({r.get("seed", 0) for r in rows}) > 1
     for model in dict.fromkeys(r["model"] for r in rows):
-        rs = [r for r in rows if r["model"] == model]
+        rs = [r for r in rows if r["model"] == model and r.get("seed", 0) == first_seed]
         panels = list(dict.fromkeys((r["network"], r["world_size"]) for r in rs))
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
         for ax, (network, P) in zip(axes[0], panels):
@@ -349,7 +405,7 @@ def write_convergence_outputs(rows, out_dir):
             ax.axhline(rs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
             ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
             ax.set_ylabel(f"held-out {rs[0]['metric']}")
-            ax.set_title(f"{model}, {network}, P={P}")
+            ax.set_title(f"{model}, {network}, P={P}" + (f" (seed {first_seed})" if several else ""))
             ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"convergence_{model}.png"

@@ -66,7 +66,7 @@ import time
 
 from .config import BASELINES, STRAGGLER_RANK, load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
-from .report import (auto_convergence_report, auto_report, cycle_median, print_convergence_table, print_table,
+from .report import (auto_convergence_report, auto_report, combine_seeds, cycle_median, print_convergence_table, print_table,
                      projection_report, summarize, summarize_convergence, write_convergence_outputs, write_outputs)
 from .zoo import fresh_model
 
@@ -441,7 +441,7 @@ def main(argv=None):
         path = os.path.join(args.out, "records.jsonl")
         if os.path.exists(path):
             os.unlink(path)
-        per_launch = len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
+        per_launch = len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"]) * len(cfg.get("seeds") or [0])
         total = per_launch * len(networks) * len(cfg["world_sizes"])
         t0 = time.monotonic()
         for network in networks:
@@ -452,8 +452,9 @@ def main(argv=None):
         records = _read(path)
     if cfg["mode"] == "convergence":
         rows = summarize_convergence(records)
-        print_convergence_table(rows)
-        auto_convergence_report(rows)
+        combined = combine_seeds(rows)
+        print_convergence_table(combined)
+        auto_convergence_report(combined)
         written = write_convergence_outputs(rows, args.out)
         print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))
         return
