@@ -178,7 +178,6 @@ class ErrorFeedbackSparsifier(Algorithm):
         committed, self._committed = self._committed, None
         if committed is None:
             return
-        done = []
         for b, (version, grads) in zip(self.model.buckets, committed):
             idx = self._written[b.index]
             if idx is None or b.flat._version != version:
@@ -192,12 +191,11 @@ class ErrorFeedbackSparsifier(Algorithm):
                 offsets.append(b.offsets[j])
                 lrs.append(float(opt.param_groups[gi]["lr"]))
                 self._hidden.append((p, g))
-                done.append(p)
             if params:
                 _C.sparse_sgd_step_(params, offsets, b.flat, idx, lrs)
-        if done:
-            torch.autograd.graph.increment_version(done)  # modified in place, as the optimizer would have
-            for p in done:
+        if self._hidden:
+            torch.autograd.graph.increment_version([p for p, _ in self._hidden])  # as the optimizer's would
+            for p, _ in self._hidden:
                 p.grad = None
 
     def _restore(self, opt, *_):

@@ -115,7 +115,7 @@ def run_cell(cell, cfg, model_name, task, rank, world):
 
 def worker(cfg, network, rank, world, emit):
     """Every convergence cell of this launch (one network, one P), in config order, once per seed."""
-    for seed in cfg.get("seeds") or [cfg["seed"]]:
+    for seed in cfg["seeds"]:
         scfg = {**cfg, "seed": seed}
         for model_name in cfg["models"]:
             net0, spec = fresh_model(model_name, seed)

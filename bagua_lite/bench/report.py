@@ -21,10 +21,11 @@ def cycle_median(values, cycle=1):
     return statistics.median(statistics.fmean(ch) for ch in chunks)
 
 
-def _ddp_baseline(cells, c):
+def _ddp_baseline(cells, c, name="algorithm"):
     """The DDP cell ``c`` is compared with: same network, P, model and straggler condition; the same
-    optimizer if the matrix measured DDP with it, else the first plain DDP cell of that group."""
-    group = [d for d in cells if d["algorithm"] == "ddp" and d["network"] == c["network"]
+    optimizer if the matrix measured DDP with it, else the first plain DDP cell of that group. ``name``:
+    the key holding the algorithm's name (``algorithm`` in records, ``name`` in summary rows)."""
+    group = [d for d in cells if d[name] == "ddp" and d["network"] == c["network"]
              and d["world_size"] == c["world_size"] and d["model"] == c["model"]
              and d.get("straggler", "none") == c.get("straggler", "none")]
     same = [d for d in group if d.get("optimizer", "sgd") == c.get("optimizer", "sgd")]
@@ -303,9 +304,7 @@ def combine_seeds(rows):
             row["picked"] = "/".join(dict.fromkeys(picks)) or None
         out.append(row)
     for row in out:
-        group = [d for d in out if d["name"] == "ddp" and (d["network"], d["world_size"], d["model"])
-                 == (row["network"], row["world_size"], row["model"])]
-        ddp = ([d for d in group if d["optimizer"] == row["optimizer"]] or group or [None])[0]
+        ddp = _ddp_baseline(out, row, name="name")
         base = ddp["time_to_target_s"] if ddp else None
         row["speedup_vs_ddp"] = base / row["time_to_target_s"] if base and row["time_to_target_s"] else None
     return out
@@ -381,12 +380,12 @@ def auto_convergence_report(rows, out=sys.stdout):
     return hits, total
 
 
-def write_convergence_outputs(rows, out_dir):
+def write_convergence_outputs(rows, out_dir, summary=None):
     """results.json (``rows``: one per cell and seed, with every evaluation's [step, seconds, metric, loss];
-    ``summary``: ``combine_seeds``'s rows without curves), results.csv (the rows without the curves) and one
+    ``summary``: ``combine_seeds(rows)``, given or computed here, without curves), results.csv (the rows without the curves) and one
     ``convergence_<model>.png`` per model (the first seed's curves): the metric against training seconds, one panel
     per network and P, one line per algorithm. Returns the names of the plots written."""
-    summary = [{k: v for k, v in r.items() if k != "curve"} for r in combine_seeds(rows)]
+    summary = [{k: v for k, v in r.items() if k != "curve"} for r in (summary or combine_seeds(rows))]
     _write_results(out_dir, {"mode": "convergence", "rows": rows, "summary": summary}, rows,
                    [k for k in rows[0] if k != "curve"])
     plt = _pyplot()

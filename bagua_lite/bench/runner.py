@@ -66,8 +66,9 @@ import time
 
 from .config import BASELINES, STRAGGLER_RANK, load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
-from .report import (auto_convergence_report, auto_report, combine_seeds, cycle_median, print_convergence_table, print_table,
-                     projection_report, summarize, summarize_convergence, write_convergence_outputs, write_outputs)
+from .report import (auto_convergence_report, auto_report, combine_seeds, cycle_median, print_convergence_table,
+                     print_table, projection_report, summarize, summarize_convergence, write_convergence_outputs,
+                     write_outputs)
 from .zoo import fresh_model
 
 
@@ -441,7 +442,8 @@ def main(argv=None):
         path = os.path.join(args.out, "records.jsonl")
         if os.path.exists(path):
             os.unlink(path)
-        per_launch = len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"]) * len(cfg.get("seeds") or [0])
+        per_launch = (len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
+                      * len(cfg.get("seeds") or [0]))  # seeds: convergence mode only
         total = per_launch * len(networks) * len(cfg["world_sizes"])
         t0 = time.monotonic()
         for network in networks:
@@ -455,7 +457,7 @@ def main(argv=None):
         combined = combine_seeds(rows)
         print_convergence_table(combined)
         auto_convergence_report(combined)
-        written = write_convergence_outputs(rows, args.out)
+        written = write_convergence_outputs(rows, args.out, combined)
         print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))
         return
     rows = summarize(records)

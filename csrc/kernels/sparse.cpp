@@ -371,33 +371,35 @@ void sparse_sgd_step_(const std::vector<at::Tensor>& params, const std::vector<i
                       const at::Tensor& flat, const at::Tensor& indices, const std::vector<double>& lrs) {
   const size_t np = params.size();
   BL_CHECK(offsets.size() == np && lrs.size() == np, "sparse_sgd_step_: ", np, " params, ", offsets.size(),
-              " offsets, ", lrs.size(), " learning rates (one each)");
+           " offsets, ", lrs.size(), " learning rates (one each)");
   check_contiguous(flat, "sparse_sgd_step_", "flat");
   check_int32(indices, "sparse_sgd_step_", "indices");
   BL_CHECK(flat.device().is_cpu(), "sparse_sgd_step_: CPU tensors only");
   const int64_t n = flat.numel();
   for (size_t p = 0; p < np; ++p) {
     BL_CHECK(params[p].is_contiguous() && params[p].scalar_type() == flat.scalar_type() &&
-                    params[p].device() == flat.device(),
-                "sparse_sgd_step_: param ", p, " must be contiguous, of flat's dtype and device");
-    BL_CHECK(offsets[p] >= 0 && offsets[p] + params[p].numel() <= n && (p == 0 || offsets[p] >= offsets[p - 1] +
-                params[p - 1].numel()), "sparse_sgd_step_: param ", p, " at offset ", offsets[p],
-                " is not an ascending, non-overlapping slot of the ", n, "-element bucket");
+                 params[p].device() == flat.device(),
+             "sparse_sgd_step_: param ", p, " must be contiguous, of flat's dtype and device");
+    BL_CHECK(offsets[p] >= 0 && offsets[p] + params[p].numel() <= n &&
+                 (p == 0 || offsets[p] >= offsets[p - 1] + params[p - 1].numel()),
+             "sparse_sgd_step_: param ", p, " at offset ", offsets[p],
+             " is not an ascending, non-overlapping slot of the ", n, "-element bucket");
   }
-  if (np == 0 || indices.numel() == 0) return;
+  const int32_t* ip = indices.const_data_ptr<int32_t>();
+  const int64_t k = indices.numel();
+  for (int64_t j = 0; j < k; ++j)  // all checked before any weight changes
+    BL_CHECK(ip[j] >= 0 && ip[j] < n, "sparse_sgd_step_: index ", ip[j], " out of range [0, ", n, ")");
+  if (np == 0 || k == 0) return;
   // Each distinct index once: a bitmap over the bucket (kept per thread, grown as needed, and cleared
   // afterwards word by word at the indices visited, so a call costs O(k), not O(n)).
   thread_local std::vector<uint64_t> seen;
   if (seen.size() < static_cast<size_t>((n + 63) / 64)) seen.resize((n + 63) / 64, 0);
-  const int32_t* ip = indices.const_data_ptr<int32_t>();
-  const int64_t k = indices.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "sparse_sgd_step_", [&] {
     const scalar_t* g = flat.const_data_ptr<scalar_t>();
     std::vector<scalar_t*> w(np);
     for (size_t p = 0; p < np; ++p) w[p] = params[p].data_ptr<scalar_t>();
     for (int64_t j = 0; j < k; ++j) {
       const int64_t i = ip[j];
-      BL_CHECK(i >= 0 && i < n, "sparse_sgd_step_: index ", i, " out of range [0, ", n, ")");
       uint64_t& word = seen[i >> 6];
       const uint64_t bit = uint64_t(1) << (i & 63);
       if (word & bit) continue;
