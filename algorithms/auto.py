@@ -5,11 +5,18 @@
                             machine <- calibrate_machine()  (topk, quantize, fp16, add per element)
     steps 1..probe_steps:   dense SGD, gradients allreduced after backward (not overlapped);
                             compute <- wall(forward .. optimizer.step) - time in communication
+                            machine.round_s <- time in communication - the cost model's dense
+                                               exchange (a synchronous round's fixed cost)
     after the probe:        inputs <- max over ranks            (one decision on every rank)
                             pick   <- cost_model.choose(candidates, P, workload, network, machine,
                                                         efficiency)   (by time to accuracy, below)
                             log one line: the pick, every candidate's s/step x efficiency, the inputs
-    from then on:           every hook and every bucket's ops are the pick's
+    from then on:           every hook and every bucket's ops are the pick's; its step count is the
+                            training's (the probe steps count as its first steps, dense as its
+                            warm-ups are), so its schedule keeps the phase it has on its own: local SGD
+                            averages after steps H, 2H, ... (H its period) and follows its own trajectory (at
+                            P = 4 on digits, the same steps to target in 4 of 5 seeds; counting from
+                            the pick instead, none of 5)
 
 Ranked by predicted time to accuracy: each candidate's predicted step time times its statistical
 efficiency, the steps it needs to reach a target over dense SGD's (1.0 for exact dense algorithms).
@@ -98,10 +105,10 @@ class Auto(Algorithm):
         self.picked_label = None
         self.decision = None
         self.delegate = None
-        self._base_step = 0
         self._ops = []
         self._t0 = None
         self._probe_compute = []
+        self._probe_waited = []
         self._probe_comm_s = 0.0
         self._probe_ops = []
 
@@ -140,10 +147,12 @@ class Auto(Algorithm):
 
     @property
     def step_dependent_wire(self):
-        """While probing and on the pick's first step (what travels changes there): yes. Afterwards the
-        pick's own answer, so a pick whose messages never change (gradient_allreduce) pays no step check
-        ahead of its buckets, exactly as it would run on its own."""
-        return self.picked is None or self.step <= self._base_step or self.delegate.step_dependent_wire
+        """The pick's own answer; while probing, no. The probe's buckets send nothing (its allreduce runs
+        after the agreement, which has compared the step counts by then), and every rank switches to the
+        pick at the same step: after the last probe round's agreement, in the decision's collective. So a
+        pick whose messages never change (gradient_allreduce) pays no step check, as on its own, and the
+        probe steps pay one control collective each instead of two."""
+        return self.picked is not None and self.delegate.step_dependent_wire
 
     # ---- per step: delegate --------------------------------------------------------------------------------
     def sync_gradients(self):
@@ -155,7 +164,7 @@ class Auto(Algorithm):
 
     def before_forward(self):
         if self.picked is None and self._t0 is None:
-            self._t0 = (time.perf_counter(), self.model.timings["backward_wait_s"])
+            self._t0 = (time.perf_counter(), self._waited())
         self._sync_step()
         self.delegate.before_forward()
 
@@ -178,18 +187,41 @@ class Auto(Algorithm):
         if self._t0 is not None:
             t0, wait0 = self._t0
             wall = time.perf_counter() - t0
-            waited = self.model.timings["backward_wait_s"] - wait0 + self._probe_comm_s
+            waited = self._waited() - wait0 + self._probe_comm_s
             self._probe_compute.append(max(0.0, wall - waited))
+            self._probe_waited.append(waited)
             self._probe_comm_s = 0.0
             self._t0 = None
         if self.step >= self.probe_steps:
             measured = min(self._probe_compute) if self._probe_compute else 0.0
             self._decide(measured if self.compute_option is None else float(self.compute_option))
 
+    def _waited(self):
+        """Seconds this rank has waited on communication: the buckets, and the agreement after them."""
+        return self.model.timings["backward_wait_s"] + self.model.timings["agree_s"]
+
     # ---- the decision ----------------------------------------------------------------------------------------
+    def _round_s(self):
+        """The fixed cost of one synchronous round beyond what the network's alpha and beta predict (the
+        agreement collective, the step check, the engine's hand-offs; on shared cores each waits for the
+        peers to be scheduled): a probe step's measured wait, least over the probe steps, minus the
+        predicted non-overlapped time of the same dense exchange. None if nothing was measured."""
+        if not self._probe_waited:
+            return None
+        model = self.model
+        work = cost_model.Workload(numel=sum(b.numel for b in model.buckets),
+                                   elem_bytes=model.buckets[0].flat.element_size(), compute_s=0.0,
+                                   bucket_numels=[b.numel for b in model.buckets])
+        machine = dataclasses.replace(self.machine, round_s=0.0)
+        dense = cost_model.predict("gradient_allreduce", {}, model.world_size, work, self.network, machine)
+        return max(0.0, min(self._probe_waited) - dense["step_s"])
+
     def _decide(self, compute_s):
         model = self.model
         m = self.machine
+        round_s = self._round_s()
+        if round_s is not None and self.machine_option is None:  # given machine figures are kept as given
+            m = dataclasses.replace(m, round_s=round_s)
         fields = [f.name for f in dataclasses.fields(cost_model.Machine)]
         inputs = torch.tensor([compute_s] + [getattr(m, f) for f in fields], dtype=torch.float64)
         if model.world_size > 1:  # the slowest rank sets the pace; and every rank decides on equal inputs
@@ -211,7 +243,7 @@ class Auto(Algorithm):
                          "predictions": preds, "efficiency": efficiency, "compute_s": compute_s, "machine": machine.__dict__,
                          "network": self.network.__dict__, "network_source": self.network_source,
                          "world_size": model.world_size, "bucket_numels": numels, "step": self.step}
-        self.decision["line"] = self._line(i, preds, work)
+        self.decision["line"] = self._line(i, preds, work, machine)
         if model.rank == 0:
             log.info(self.decision["line"])
             print(self.decision["line"], flush=True)
@@ -227,7 +259,7 @@ class Auto(Algorithm):
         table.update(self.efficiency_option)
         return table
 
-    def _line(self, i, preds, work):
+    def _line(self, i, preds, work, machine):
         labels = [cost_model.label(n, o) for n, o in self.candidates]
         best = min(range(len(preds)), key=lambda j: preds[j]["weighted_s"])
 
@@ -248,7 +280,8 @@ class Auto(Algorithm):
         return (f"bagua_lite auto: picked {labels[i]}: predicted {terms(preds[i])}, ranked by time to accuracy "
                 f"(s/step x steps to target relative to dense SGD)" + (f"; vs {others}" if others else "") + why
                 + f" (alpha={net.alpha:.3g} s, beta={net.beta:.3g} s/B = {gbit} {self.network_source}, "
-                  f"{_params(work.numel)} params, compute {work.compute_s:.3g} s{probes}, P={self.model.world_size})")
+                  f"{_params(work.numel)} params, compute {work.compute_s:.3g} s{probes}, "
+                  f"round {machine.round_s:.3g} s, P={self.model.world_size})")
 
     def close(self):
         if self.delegate is not None:
@@ -261,13 +294,12 @@ class Auto(Algorithm):
         d.model = self.model
         d.init(self.model)
         self.delegate = d
-        self._base_step = self.step
         self._sync_step()
         self._ops = [[self._callable(op) for op in d.bucket_ops(b)] for b in self.model.buckets]
 
     def _sync_step(self):
         if self.delegate is not None:
-            self.delegate.step = self.step - self._base_step
+            self.delegate.step = self.step
 
     def _callable(self, op):
         """A Python callable for one of the delegate's ops (native ops run through ``Op.run``)."""
@@ -279,7 +311,7 @@ class Auto(Algorithm):
 
     # ---- state -------------------------------------------------------------------------------------------------
     def state_dict(self):
-        state = {"step": self.step, "base_step": self._base_step, "delegate": self.delegate.state_dict()
+        state = {"step": self.step, "delegate": self.delegate.state_dict()
                  if self.delegate is not None else None}
         if self.picked is not None:
             state["picked"] = list(self.candidates[self.decision["picked"]]) if self.decision else None
@@ -295,8 +327,6 @@ class Auto(Algorithm):
             self.picked = self.delegate
             self.picked_label = cost_model.label(name, opts)
             self.decision = state.get("decision")
-        self._base_step = int(state["base_step"])
-        self._sync_step()
         if state.get("delegate") is not None and self.delegate is not None:
             self.delegate.load_state_dict(state["delegate"])
         self._sync_step()

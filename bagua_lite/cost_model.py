@@ -145,6 +145,14 @@ host with no rate limit (``Network.host_local``: loopback) and shared cores the 
 on those same cores, so nothing hides: ``exposed = compression_s + comm_s``.
 
 Local costs come from :class:`Machine` (per element, measured by :func:`calibrate_machine`).
+``Machine.round_s`` is the fixed cost of one of our synchronous rounds beyond the network's alpha: the
+agreement all_gather after the buckets, the engine's hand-offs and, on shared cores, waiting for the
+peers to be scheduled. Every bucketed algorithm of ours pays it each step (DDP's reducer does not: its
+baselines leave it out), local SGD at each average (round_s / period) and decentralized at each exchange
+(round_s / communication_interval); async averaging's rounds are off the training thread. It is 0 unless
+measured: auto takes it from its dense probe steps (their measured wait minus the predicted exchange).
+On 2 processes sharing 2 cores it measured about 2 ms for a 17k-parameter model, where the exchange
+itself predicts 0.1 ms.
 
 Time to accuracy: a cheap step is worth nothing if the model needs more of them. :func:`choose` ranks
 candidates by ``step_s * efficiency``, where ``efficiency`` is the candidate's steps to a target accuracy
@@ -254,6 +262,8 @@ class Machine:
     cores_per_rank: float = 0.0       # CPU cores per rank on a host (0: unknown, taken as plenty)
     bf16_s_per_elem: float = 0.0      # bf16 compress + decompress (0: taken as fp16's)
     sign_s_per_elem: float = 0.0      # sign compress + decompress (0: taken as minmax_uint8's)
+    round_s: float = 0.0              # our synchronous round's fixed cost beyond alpha (agreement, hand-offs;
+    #                                   auto measures it in its probe; 0: none)
 
 
 @dataclass
@@ -831,6 +841,8 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
             exposed = lat * net.alpha + (rest if net.host_local else max(0.0, first + rest - busy))
         else:
             exposed = max(0.0, first + transfer - busy)
+        transfer += machine.round_s if P > 1 else 0.0  # the exchange's wait is a round every rank makes
+        exposed += machine.round_s if P > 1 else 0.0
         return _result(work, (main + thread) / every, transfer / every,
                        (main + (thread if shared else 0.0) + exposed) / every,
                        bytes_per_rank(algorithm, o, P, numels, e))
@@ -839,7 +851,7 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         o = _options(algorithm, options)
         every, c = o["period"], o["compression"]
         _, lat, crit = _average_comm(c, P, n_total, e, None)
-        comm = (lat * net.alpha + crit * net.beta) / every
+        comm = (lat * net.alpha + crit * net.beta + (machine.round_s if P > 1 else 0.0)) / every
         local = _average_local_s(c, P, n_total, machine, apply_passes=1) / every
         return _result(work, local, comm, local + comm, bytes_per_rank(algorithm, o, P, numels, e), **warmup())
 
@@ -870,8 +882,9 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
     else:
         exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
+    round_s = machine.round_s if P > 1 and algorithm not in ("ddp", "ddp_fp16") else 0.0  # ours, on the critical path
     extra = warmup() if algorithm in ("powersgd", "qadam") else {}
-    return _result(work, sum(locals_) + serial, sum(comms), exposed + serial,
+    return _result(work, sum(locals_) + serial, sum(comms) + round_s, exposed + serial + round_s,
                    bytes_per_rank(algorithm, options, P, numels, e), **extra)
 
 

@@ -126,7 +126,8 @@ class DistributedModel(torch.nn.Module):
         self._ready = [0] * len(self.buckets)
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._next_bucket = 0
-        self.timings = {"backward_wait_s": 0.0}
+        # seconds this process waited: for the buckets after backward, and in the agreement after them
+        self.timings = {"backward_wait_s": 0.0, "agree_s": 0.0}
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
 
@@ -395,7 +396,11 @@ class DistributedModel(torch.nn.Module):
             self._next_bucket = 0
             self._ready = [0] * len(self.buckets)
             self._marked = [[False] * len(b.params) for b in self.buckets]
-        self._agree_after_round(unused)
+        t0 = time.perf_counter()
+        try:
+            self._agree_after_round(unused)
+        finally:
+            self.timings["agree_s"] += time.perf_counter() - t0
         self._algorithm_hook(self.algorithm.after_backward)
 
     def _after_step(self):

@@ -181,7 +181,10 @@ def _r_out_of_step(rank, P, name, options):
     ("gradient_allreduce", {}),
     ("gtopk", {"density": 0.1, "warmup_densities": [0.5], "warmup_steps_per_stage": 1}),  # k depends on step
     ("powersgd", {"rank": 2}),
-], ids=["gradient_allreduce", "gtopk", "powersgd"])
+    # while probing, auto's buckets send nothing and it asks for no step check: the agreement catches it
+    ("auto", {"candidates": ["gradient_allreduce", "local_sgd"], "probe_steps": 3,
+              "network": {"alpha": 1e-4, "beta": 1e-9}}),
+], ids=["gradient_allreduce", "gtopk", "powersgd", "auto_probing"])
 @pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
 def test_ranks_out_of_step_raise_on_every_rank(clusters, P, name, options):
     res = clusters.get(P).run(_r_out_of_step, name, options, timeout=60)
