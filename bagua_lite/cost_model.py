@@ -151,8 +151,8 @@ peers to be scheduled. Every bucketed algorithm of ours pays it each step (DDP's
 baselines leave it out), local SGD at each average (round_s / period) and decentralized at each exchange
 (round_s / communication_interval); async averaging's rounds are off the training thread. It is 0 unless
 measured: auto takes it from its dense probe steps (their measured wait minus the predicted exchange).
-On 2 processes sharing 2 cores it measured about 2 ms for a 17k-parameter model, where the exchange
-itself predicts 0.1 ms.
+For a 17k-parameter model it measured 0.1-3 ms with 2 processes on 2 cores and 0-8 ms with 4, where the
+exchange itself predicts about 0.1 ms.
 
 Time to accuracy: a cheap step is worth nothing if the model needs more of them. :func:`choose` ranks
 candidates by ``step_s * efficiency``, where ``efficiency`` is the candidate's steps to a target accuracy
