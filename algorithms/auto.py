@@ -201,19 +201,23 @@ class Auto(Algorithm):
         return self.model.timings["backward_wait_s"] + self.model.timings["agree_s"]
 
     # ---- the decision ----------------------------------------------------------------------------------------
+    def _workload(self, compute_s):
+        numels = [b.numel for b in self.model.buckets]
+        return cost_model.Workload(numel=sum(numels), elem_bytes=self.model.buckets[0].flat.element_size(),
+                                   compute_s=compute_s, backward_fraction=self.backward_fraction,
+                                   n_buckets=len(numels), bucket_numels=numels)
+
     def _round_s(self):
         """The fixed cost of one synchronous round beyond what the network's alpha and beta predict (the
-        agreement collective, the step check, the engine's hand-offs; on shared cores each waits for the
-        peers to be scheduled): a probe step's measured wait, least over the probe steps, minus the
-        predicted non-overlapped time of the same dense exchange. None if nothing was measured."""
+        agreement collective, the engine's hand-offs; on shared cores, waiting for the peers to be
+        scheduled): a probe step's measured wait, least over the probe steps, minus the predicted
+        non-overlapped time of the same dense exchange (compute 0: nothing overlaps). None if nothing
+        was measured."""
         if not self._probe_waited:
             return None
-        model = self.model
-        work = cost_model.Workload(numel=sum(b.numel for b in model.buckets),
-                                   elem_bytes=model.buckets[0].flat.element_size(), compute_s=0.0,
-                                   bucket_numels=[b.numel for b in model.buckets])
         machine = dataclasses.replace(self.machine, round_s=0.0)
-        dense = cost_model.predict("gradient_allreduce", {}, model.world_size, work, self.network, machine)
+        dense = cost_model.predict("gradient_allreduce", {}, self.model.world_size, self._workload(0.0),
+                                   self.network, machine)
         return max(0.0, min(self._probe_waited) - dense["step_s"])
 
     def _decide(self, compute_s):
@@ -229,9 +233,7 @@ class Auto(Algorithm):
         compute_s = float(inputs[0])
         machine = cost_model.Machine(**{f: float(v) for f, v in zip(fields, inputs[1:].tolist())})
         numels = [b.numel for b in model.buckets]
-        work = cost_model.Workload(numel=sum(numels), elem_bytes=model.buckets[0].flat.element_size(),
-                                   compute_s=compute_s, backward_fraction=self.backward_fraction,
-                                   n_buckets=len(numels), bucket_numels=numels)
+        work = self._workload(compute_s)
         efficiency = self._efficiency(model.world_size)
         i, preds = cost_model.choose(self.candidates, model.world_size, work, self.network, machine, self.tolerance,
                                      efficiency)
