@@ -3,20 +3,34 @@
     set-up:                 network <- probe_network()  (ping-pong between ranks 0 and 1; or the
                                                          ``network`` option, e.g. an emulated link)
                             machine <- calibrate_machine()  (topk, quantize, fp16, add per element)
-    steps 1..probe_steps:   dense SGD, gradients allreduced after backward (not overlapped);
-                            compute <- wall(forward .. optimizer.step) - time in communication
-                            machine.round_s <- time in communication - the cost model's dense
-                                               exchange (a synchronous round's fixed cost)
-    after the probe:        inputs <- max over ranks            (one decision on every rank)
+    steps 1..probe_steps:   local SGD: every rank steps on its own gradient, nothing travels in the
+                            buckets, so the compute is measured clean:
+                            compute <- wall(forward .. optimizer.step)
+                            after each probe step but the last, one small all_gather (the step counts);
+                            from the second on, timed: machine.round_s <- least wait - the cost model's
+                            time for that message (a synchronous round's fixed cost: on shared cores,
+                            mostly waiting for the peers to be scheduled; the first round absorbs how
+                            far apart the ranks started)
+    after the last probe:   inputs <- max over ranks            (one collective; one decision on every rank)
                             pick   <- cost_model.choose(candidates, P, workload, network, machine,
                                                         efficiency)   (by time to accuracy, below)
+                            replicas: a pick that needs identical replicas (everything but local SGD
+                            without warm-up or compression, and uncompressed decentralized SGD) first gets the average
+                            of the parameters and of the optimizer's state (momentum, Adam's moments) on
+                            every rank: one allreduce, as a local SGD average; the others go on from
+                            where their probe steps left them, as they would on their own
                             log one line: the pick, every candidate's s/step x efficiency, the inputs
     from then on:           every hook and every bucket's ops are the pick's; its step count is the
-                            training's (the probe steps count as its first steps, dense as its
-                            warm-ups are), so its schedule keeps the phase it has on its own: local SGD
-                            averages after steps H, 2H, ... (H its period) and follows its own trajectory (at
-                            P = 4 on digits, the same steps to target in 4 of 5 seeds; counting from
-                            the pick instead, none of 5)
+                            training's (the probe steps count as its first steps), so its schedule keeps
+                            the phase it has on its own: local SGD averages after steps H, 2H, ... (H its
+                            period), and with local SGD picked the whole run is local SGD's own
+                            trajectory, bit for bit (tested), at the cost of the probe's collectives
+
+Probing with local steps costs a pick that communicates every step one average of the weights and the
+optimizer's state, about what the 2 dense steps cost that the probe used to take (the probe is now 3 steps,
+with 2 small collectives and the decision's); it costs local SGD only those 3 small collectives (on digits
+at P = 4 the dense probe steps and their rounds made auto's first 4 steps 2-3x local SGD's, and changed
+its trajectory).
 
 Ranked by predicted time to accuracy: each candidate's predicted step time times its statistical
 efficiency, the steps it needs to reach a target over dense SGD's (1.0 for exact dense algorithms).
@@ -39,7 +53,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, cost_model
+from bagua_lite import _C, comm, cost_model
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
 log = logging.getLogger("bagua_lite")
@@ -51,9 +65,31 @@ def _params(n):
     return f"{n / 1e6:.3g}M" if n >= 100_000 else f"{n}"
 
 
+def _keeps_unequal_replicas(name, opts):
+    """Whether a pick can start from replicas that differ (after local probe steps) as it would on its own:
+    local SGD without warm-up (its first average comes at step H whatever the replicas) and without
+    compression (which averages changes from an anchor that must be equal everywhere), and uncompressed
+    decentralized SGD (its replicas differ by design and its exchanges send whatever they hold)."""
+    if name == "local_sgd":
+        return not opts.get("warmup_steps", 0) and opts.get("compression", "none") == "none"
+    return name == "decentralized" and opts.get("compression", "none") == "none"  # compressed: copies from a common x_0
+
+
+class _LocalProbe(Algorithm):
+    """auto's probe steps: local SGD steps, nothing in the buckets (a non-finite local gradient skips that
+    rank's step, as local relaxations do)."""
+
+    def sync_gradients(self):
+        return False
+
+    @property
+    def step_dependent_wire(self):
+        return False
+
+
 @register("auto")
 class Auto(Algorithm):
-    def __init__(self, candidates: list = cost_model.DEFAULT_AUTO_CANDIDATES, probe_steps: int = 2,
+    def __init__(self, candidates: list = cost_model.DEFAULT_AUTO_CANDIDATES, probe_steps: int = 3,
                  tolerance: float = 0.05, network: dict = None, machine: dict = None, compute_s: float = None,
                  backward_fraction: float = 0.66, efficiency: dict = None, efficiency_from: str = None):
         super().__init__()
@@ -109,8 +145,6 @@ class Auto(Algorithm):
         self._t0 = None
         self._probe_compute = []
         self._probe_waited = []
-        self._probe_comm_s = 0.0
-        self._probe_ops = []
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def init(self, model):
@@ -128,11 +162,12 @@ class Auto(Algorithm):
         if self.probe_steps == 0:
             self._decide(float(self.compute_option))
         else:
-            # Probe steps are exact dense SGD with the allreduce *after* backward, not overlapped with it,
-            # so the compute time is measured clean (overlapped communication would slow backward down
-            # by an amount that depends on the network being probed).
-            self._delegate_to("gradient_allreduce", {})
-            self._probe_ops, self._ops = self._ops, [[] for _ in model.buckets]
+            # Probe steps are local SGD steps: no bucket travels, so the compute is measured clean.
+            probe = _LocalProbe()
+            probe.model = model
+            self.delegate = probe
+            self._sync_step()
+            self._ops = [[] for _ in model.buckets]
 
     def bucket_ops(self, bucket):
         def auto_dispatch(flat, i=bucket.index):
@@ -147,11 +182,10 @@ class Auto(Algorithm):
 
     @property
     def step_dependent_wire(self):
-        """The pick's own answer; while probing, no. The probe's buckets send nothing (its allreduce runs
-        after the agreement, which has compared the step counts by then), and every rank switches to the
-        pick at the same step: after the last probe round's agreement, in the decision's collective. So a
-        pick whose messages never change (gradient_allreduce) pays no step check, as on its own, and the
-        probe steps pay one control collective each instead of two."""
+        """The pick's own answer; while probing, no: no bucket travels. Every probe step ends in exactly one
+        collective (its round's all_gather of the step counts, or the decision), so the ranks' probe
+        collectives pair up by construction and every rank switches to the pick at the same step count.
+        A pick whose messages never change (gradient_allreduce) then pays no step check, as on its own."""
         return self.picked is not None and self.delegate.step_dependent_wire
 
     # ---- per step: delegate --------------------------------------------------------------------------------
@@ -170,13 +204,6 @@ class Auto(Algorithm):
 
     def after_backward(self):
         self._sync_step()
-        if self.picked is None:
-            # the probe delegate's own ops (its buckets hold g / P: it sums), after backward, timed
-            t0 = time.perf_counter()
-            for b, ops in zip(self.model.buckets, self._probe_ops):
-                for op in ops:
-                    op(b.flat)
-            self._probe_comm_s += time.perf_counter() - t0
         self.delegate.after_backward()
 
     def after_step(self):
@@ -186,19 +213,35 @@ class Auto(Algorithm):
             return
         if self._t0 is not None:
             t0, wait0 = self._t0
-            wall = time.perf_counter() - t0
-            waited = self._waited() - wait0 + self._probe_comm_s
-            self._probe_compute.append(max(0.0, wall - waited))
-            self._probe_waited.append(waited)
-            self._probe_comm_s = 0.0
+            self._probe_compute.append(max(0.0, time.perf_counter() - t0 - (self._waited() - wait0)))
             self._t0 = None
         if self.step >= self.probe_steps:
             measured = min(self._probe_compute) if self._probe_compute else 0.0
             self._decide(measured if self.compute_option is None else float(self.compute_option))
+        else:
+            self._probe_round(timed=self.step >= 2)
 
     def _waited(self):
-        """Seconds this rank has waited on communication: the buckets, and the agreement after them."""
+        """Seconds this rank has waited on communication: the buckets, and the agreement after them (none
+        while the probe steps are local; counted in case a no_sync block or a hook ran one)."""
         return self.model.timings["backward_wait_s"] + self.model.timings["agree_s"]
+
+    def _probe_round(self, timed):
+        """One synchronous round after a local probe step: an all_gather of the step counts (through
+        ``run_collective``: a peer's failure raises within a second). Its wait is what a round costs
+        beyond the network: on shared cores, mostly the peers' scheduling. Not kept after the first step:
+        that round absorbs how far apart the ranks started (lazy initialisation in the first step took
+        0.35-0.45 s on each of 4 ranks here, and its 15-55 ms of spread showed up as the round's cost)."""
+        model = self.model
+        if model.world_size == 1:
+            return
+        t0 = time.perf_counter()
+        steps = model.run_collective("auto probe round", lambda: model._gather_ints([self.step]))
+        if timed:
+            self._probe_waited.append(time.perf_counter() - t0)
+        msg = model._out_of_step([row[0] for row in steps], "auto was probing (nothing was exchanged)")
+        if msg:
+            raise RuntimeError(msg)
 
     # ---- the decision ----------------------------------------------------------------------------------------
     def _workload(self, compute_s):
@@ -208,17 +251,17 @@ class Auto(Algorithm):
                                    n_buckets=len(numels), bucket_numels=numels)
 
     def _round_s(self):
-        """The fixed cost of one synchronous round beyond what the network's alpha and beta predict (the
-        agreement collective, the engine's hand-offs; on shared cores, waiting for the peers to be
-        scheduled): a probe step's measured wait, least over the probe steps, minus the predicted
-        non-overlapped time of the same dense exchange (compute 0: nothing overlaps). None if nothing
-        was measured."""
+        """The fixed cost of one synchronous round beyond its data's transfer: the wait of a probe round,
+        averaged over the timed ones. A probe round is what each of our synchronous rounds adds to its data
+        collective (the agreement after the buckets, local SGD's step check at an average: one small
+        collective), and its wait is that collective's latency plus, on shared cores, waiting for the
+        peers to be scheduled (3-8 ms at P = 4 on 2 cores, where the network probe's alpha reads 1-2 ms:
+        the wait minus the cost model's time for the message was 0 in 3 of 4 runs, and decentralized SGD
+        then looked free and was picked at 8 ms/step against local SGD's 1). None if nothing was measured
+        (fewer than 3 probe steps, or P = 1)."""
         if not self._probe_waited:
             return None
-        machine = dataclasses.replace(self.machine, round_s=0.0)
-        dense = cost_model.predict("gradient_allreduce", {}, self.model.world_size, self._workload(0.0),
-                                   self.network, machine)
-        return max(0.0, min(self._probe_waited) - dense["step_s"])
+        return sum(self._probe_waited) / len(self._probe_waited)
 
     def _decide(self, compute_s):
         model = self.model
@@ -227,17 +270,25 @@ class Auto(Algorithm):
         if round_s is not None and self.machine_option is None:  # given machine figures are kept as given
             m = dataclasses.replace(m, round_s=round_s)
         fields = [f.name for f in dataclasses.fields(cost_model.Machine)]
-        inputs = torch.tensor([compute_s] + [getattr(m, f) for f in fields], dtype=torch.float64)
+        inputs = torch.tensor([self.step, -self.step, compute_s] + [getattr(m, f) for f in fields], dtype=torch.float64)
         if model.world_size > 1:  # the slowest rank sets the pace; and every rank decides on equal inputs
-            dist.all_reduce(inputs, op=dist.ReduceOp.MAX, group=model.process_group)
-        compute_s = float(inputs[0])
-        machine = cost_model.Machine(**{f: float(v) for f, v in zip(fields, inputs[1:].tolist())})
+            model.run_collective("auto decision", lambda: dist.all_reduce(inputs, op=dist.ReduceOp.MAX,
+                                                                          group=model.process_group))
+        hi, lo = int(inputs[0]), -int(inputs[1])
+        if hi != lo:
+            raise RuntimeError(f"bagua_lite: ranks are out of step: auto's decision came at different optimizer "
+                               f"step counts (from {lo} to {hi}; this is rank {model.rank}, at step {self.step}). "
+                               f"Every rank must call optimizer.step() the same number of times")
+        compute_s = float(inputs[2])
+        machine = cost_model.Machine(**{f: float(v) for f, v in zip(fields, inputs[3:].tolist())})
         numels = [b.numel for b in model.buckets]
         work = self._workload(compute_s)
         efficiency = self._efficiency(model.world_size)
         i, preds = cost_model.choose(self.candidates, model.world_size, work, self.network, machine, self.tolerance,
                                      efficiency)
         name, opts = self.candidates[i]
+        if self.probe_steps > 0 and model.world_size > 1 and not _keeps_unequal_replicas(name, opts):
+            model.run_collective("auto replica average", self._average_replicas)
         self._delegate_to(name, opts)
         self.picked = self.delegate
         self.picked_label = cost_model.label(name, opts)
@@ -249,6 +300,26 @@ class Auto(Algorithm):
         if model.rank == 0:
             log.info(self.decision["line"])
             print(self.decision["line"], flush=True)
+
+    def _average_replicas(self):
+        """After local probe steps: every rank's parameters and optimizer state become their average over
+        the ranks (one allreduce per dtype), so a synchronous pick starts from identical replicas. The
+        optimizer's floating-point state of these parameters (SGD's momentum, Adam's moments; a step
+        counter is equal everywhere and stays so)."""
+        opt = self.model.optimizer
+        tensors = [p.data for p in self.model._params]
+        for p in self.model._params:
+            tensors += [v for v in opt.state.get(p, {}).values()
+                        if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        by_dtype = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch._utils._flatten_dense_tensors(group)
+                comm.allreduce(flat, "avg", group=self.model.process_group)
+                for t, avg in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
+                    t.copy_(avg)
 
     def _efficiency(self, P):
         """The efficiencies in effect: the results file's (its rows at P if any), under the option's."""

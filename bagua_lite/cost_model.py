@@ -150,9 +150,9 @@ agreement all_gather after the buckets, the engine's hand-offs and, on shared co
 peers to be scheduled. Every bucketed algorithm of ours pays it each step (DDP's reducer does not: its
 baselines leave it out), local SGD at each average (round_s / period) and decentralized at each exchange
 (round_s / communication_interval); async averaging's rounds are off the training thread. It is 0 unless
-measured: auto takes it from its dense probe steps (their measured wait minus the predicted exchange).
-For a 17k-parameter model it measured 0.1-3 ms with 2 processes on 2 cores and 0-8 ms with 4, where the
-exchange itself predicts about 0.1 ms.
+measured: auto takes it from its probe, the mean wait of the small all_gather it runs between local probe
+steps (what our rounds add to their data collective: the agreement, local SGD's step check). On loopback
+it measured 0.6-0.8 ms with 2 processes on 2 cores and 5.5-10 ms with 4.
 
 Time to accuracy: a cheap step is worth nothing if the model needs more of them. :func:`choose` ranks
 candidates by ``step_s * efficiency``, where ``efficiency`` is the candidate's steps to a target accuracy

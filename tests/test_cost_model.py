@@ -904,8 +904,9 @@ def test_auto_picks_sparse_on_a_slow_network_and_trains(clusters):
             "efficiency": {"gtopk(density=0.1)": 1.0}}
     res = clusters.get(P).run(_r_auto, opts, 12, True)
     pick, d = _check_auto(res, P, expect="gtopk(density=0.1)")
-    assert all(all(r["identical"]) for r in res), [r["identical"] for r in res]
-    assert all(r["picked_at"] == 1 for r in res)  # after the 2 probe steps
+    # 3 local probe steps (each rank on its own batch), then the replicas averaged and identical for good
+    assert all(r["identical"] == [False] * 2 + [True] * 10 for r in res), [r["identical"] for r in res]
+    assert all(r["picked_at"] == 2 for r in res)  # after the 3 probe steps
     # after the switch the wire carries gtopk's bytes, not the dense probe's
     pred = cm.bytes_per_rank("gtopk", {"density": 0.1}, P, res[0]["numels"])
     assert [r["bytes_after"] for r in res] == [pred] * P
@@ -917,7 +918,7 @@ def test_auto_stays_dense_on_a_fast_network(clusters):
     # a network and a machine (its round included) that cost nothing: dense SGD is as fast as anything
     res = clusters.get(P).run(_r_auto, {"network": {"alpha": 0.0, "beta": 1e-13}, "machine": ZERO.__dict__}, 8, True)
     _check_auto(res, P, expect="gradient_allreduce")
-    assert all(all(r["identical"]) for r in res)
+    assert all(r["identical"] == [False] * 2 + [True] * 6 for r in res), [r["identical"] for r in res]
     assert [r["bytes_after"] for r in res] == [cm.bytes_per_rank("gradient_allreduce", {}, P, [2327])] * P
 
 
@@ -935,32 +936,78 @@ def test_auto_probes_for_real(clusters):
     assert {r["decision"]["network"]["beta"] for r in res} == {d["network"]["beta"]} and d["network"]["beta"] > 0
 
 
-def _r_auto_vs_ddp(rank, P, probe_steps):
-    """auto whose only candidate is dense SGD, probe steps included, against DDP from the same start."""
+def _r_auto_vs_reference(rank, P, probe_steps, momentum):
+    """auto whose only candidate is dense SGD against plain torch: local SGD steps for the probe, then
+    the parameters and the momentum averaged over the ranks (all_reduce), then DDP from there."""
     a, b = _net(), _net()
-    ddp = torch.nn.parallel.DistributedDataParallel(a)
-    opt_a, opt_b = torch.optim.SGD(a.parameters(), lr=0.5), torch.optim.SGD(b.parameters(), lr=0.5)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.5, momentum=momentum)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.5, momentum=momentum)
     model = bagua_lite.DistributedModel(b, opt_b, build("auto", candidates=["gradient_allreduce"], probe_steps=probe_steps,
                                                         network={"alpha": 1e-5, "beta": 1e-9}, machine=ZERO.__dict__))
+    ddp = None
     diffs, checks = [], []
     for s in range(probe_steps + 3):
         checks.append(model.algorithm.step_dependent_wire)  # read when the step's backward starts
-        _one_step(ddp, opt_a, rank, seed=s)
+        _one_step(ddp if ddp is not None else a, opt_a, rank, seed=s)
+        if s == probe_steps - 1:  # the reference's average, then DDP (which broadcasts rank 0's equal weights)
+            with torch.no_grad():
+                for p in a.parameters():
+                    dist.all_reduce(p.data)
+                    p.data /= P
+                    buf = opt_a.state[p].get("momentum_buffer")
+                    if buf is not None:
+                        dist.all_reduce(buf)
+                        buf /= P
+            ddp = torch.nn.parallel.DistributedDataParallel(a)
         _one_step(model, opt_b, rank, seed=s)
-        diffs.append(max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters())))
+        diffs.append(max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters())))
+    mom = max(float((opt_a.state[p]["momentum_buffer"] - opt_b.state[q]["momentum_buffer"]).abs().max())
+              for p, q in zip(a.parameters(), b.parameters())) if momentum else 0.0
+    mine = _flat_params(b)
+    everyone = [torch.empty_like(mine) for _ in range(P)]
+    dist.all_gather(everyone, mine)
     model.close()
-    return diffs, checks
+    return diffs, checks, mom, all(torch.equal(everyone[0], t) for t in everyone)
 
 
 @pytest.mark.parametrize("P", (2, 3, 4), ids=lambda p: f"P{p}")
-def test_auto_probe_steps_are_exact_dense_sgd(clusters, P):
-    # the probe averages the gradients once (its buckets hold g / P and are summed), as DDP does; the first
-    # version averaged g / P again, so auto's first steps moved 1/P as far as they should
-    for r, (diffs, checks) in enumerate(clusters.get(P).run(_r_auto_vs_ddp, 2, timeout=60)):
-        assert max(diffs) < 1e-6, (r, diffs)
-        # no step check ahead of the buckets: the probe's allreduce runs after the agreement (which compares
-        # step counts), and then it is the pick's own answer (gradient_allreduce: none)
-        assert checks == [False] * 5, (r, checks)
+def test_auto_probe_steps_are_local_then_the_replicas_are_averaged(clusters, P):
+    # probe steps: local SGD (nothing travels); a synchronous pick then starts from the average of the
+    # parameters and of the optimizer's momentum, and from there is DDP's exact dense SGD
+    for momentum in (0.0, 0.9):
+        for r, (diffs, checks, mom, identical) in enumerate(clusters.get(P).run(_r_auto_vs_reference, 3, momentum,
+                                                                                 timeout=60)):
+            assert max(diffs) < 1e-6 and mom < 1e-6, (r, momentum, diffs, mom)
+            assert identical, (r, momentum)
+            # no step check ahead of the buckets: while probing none travel, then it is the pick's own
+            # answer (gradient_allreduce: none)
+            assert checks == [False] * 6, (r, checks)
+
+
+def _r_auto_vs_local_sgd(rank, P, steps):
+    """auto picking local SGD against local SGD on its own, same start, same batches."""
+    a, b = _net(), _net()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.5, momentum=0.9)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.5, momentum=0.9)
+    alone = bagua_lite.DistributedModel(a, opt_a, build("local_sgd", period=4))
+    auto = bagua_lite.DistributedModel(b, opt_b, build("auto", candidates=["local_sgd"], network={"alpha": 1e-5, "beta": 1e-9},
+                                                       machine=ZERO.__dict__))
+    for s in range(steps):
+        _one_step(alone, opt_a, rank, seed=s)
+        _one_step(auto, opt_b, rank, seed=s)
+    same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    picked = auto.algorithm.picked_label
+    alone.close()
+    auto.close()
+    return same, picked
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+def test_auto_picking_local_sgd_is_local_sgd_bit_for_bit(clusters, P):
+    # its probe steps are local SGD's first steps and its step count is the training's: after 10 steps
+    # (averages at 4 and 8) the weights equal local SGD's own
+    for r, (same, picked) in enumerate(clusters.get(P).run(_r_auto_vs_local_sgd, 10, timeout=60)):
+        assert picked == "local_sgd" and same, (r, picked, same)
 
 
 def test_auto_single_candidate(clusters):

@@ -101,7 +101,7 @@ def run_cell(cell, cfg, model_name, task, rank, world):
             break
     picked = decision = None
     if wrapper is not None:
-        # auto: probed the network and calibrated when wrapped (not timed), trained its probe steps as dense
+        # auto: probed the network and calibrated when wrapped (not timed), trained its probe steps as local
         # SGD (timed: they are training steps), then delegated to its pick
         picked = getattr(wrapper.algorithm, "picked_label", None)
         decision = (getattr(wrapper.algorithm, "decision", None) or {}).get("line")
