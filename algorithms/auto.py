@@ -7,9 +7,9 @@
                             buckets, so the compute is measured clean:
                             compute <- wall(forward .. optimizer.step)
                             after each probe step but the last, one small all_gather (the step counts);
-                            from the second on, timed: machine.round_s <- least wait - the cost model's
-                            time for that message (a synchronous round's fixed cost: on shared cores,
-                            mostly waiting for the peers to be scheduled; the first round absorbs how
+                            from the second on, timed: machine.round_s <- mean wait (a synchronous
+                            round's fixed cost: the small collective our rounds add and, on shared
+                            cores, waiting for the peers to be scheduled; the first round absorbs how
                             far apart the ranks started)
     after the last probe:   inputs <- max over ranks            (one collective; one decision on every rank)
                             pick   <- cost_model.choose(candidates, P, workload, network, machine,
