@@ -1,7 +1,8 @@
 """Top-k sparsified SGD with error feedback, aggregated by TopKAllReduce (gTop-k paper's baseline).
 
-Each rank sends its own k largest accumulated entries; one allgather moves all P*k pairs and every rank
-sums them. Cost: alpha*log2(P) + 2k(P-1)*beta per bucket, growing with P (gTop-k's motivation).
+Each rank sends its own k largest accumulated entries; one allgather moves all P*k pairs (k is the same
+on every rank, so no size exchange precedes it) and every rank sums them. Cost: alpha*log2(P) +
+2k(P-1)*beta per bucket, growing with P (gTop-k's motivation).
 """
 from bagua_lite import comm, kernels
 from bagua_lite.algorithm import register
@@ -16,7 +17,10 @@ class TopK(ErrorFeedbackSparsifier):
         # every rank's selection, pre-divided by P (k divisions instead of n), summed into the bucket in
         # rank order on every rank (replicas stay identical); the bucket is cleared only where the previous
         # step wrote, not memset whole
-        g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=self.process_group)
+        # k is the same on every rank (the density schedule's, checked by the step count when it changes):
+        # no size exchange, one message round per bucket
+        g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=self.process_group,
+                                                    k=values.numel())
         self.clear_result(flat, bucket.index)
         kernels.scatter_add_(flat, g_values, g_indices)
         self._written[bucket.index] = g_indices

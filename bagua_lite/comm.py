@@ -142,16 +142,24 @@ def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, gr
     return _C.sparse_allreduce(pg, values, indices, numel, out)
 
 
-def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None) -> Tuple[torch.Tensor, torch.Tensor]:
+def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
+                     k: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every rank's sparse (values, int32 indices), concatenated in rank order: the exchange of
     :func:`sparse_allreduce` without the sum (ranks may hold different k; dtypes must match).
 
     For a caller that keeps a dense result between steps: it scatters these itself (e.g.
     ``kernels.scatter_add_``) and next time clears only these indices instead of the whole tensor.
+
+    ``k``: every rank sends exactly ``k`` pairs, as Top-k's selection guarantees by construction. The
+    exchange of the ranks' sizes is then skipped (one message round instead of two); each block carries
+    its k and dtype and every receiver checks them. Only for a k that is the same on every rank by
+    construction: a peer that sends more pairs than ``k`` makes gloo abort the receiving process.
     """
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
+        raise ValueError(f"bagua_lite.comm.sparse_allgather: k must be an int >= 0 or None, got {k!r}")
     pg = resolve_group(group, "sparse_allgather")
     check_device(values, pg, "sparse_allgather", "values")
-    return _C.sparse_allgather(pg, values, indices)
+    return _C.sparse_allgather(pg, values, indices, -1 if k is None else k)
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,

@@ -140,7 +140,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_allreduce", &coll::sparse_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"),
         py::arg("numel"), py::arg("out") = py::none(), release());
   m.def("sparse_allgather", &coll::sparse_allgather, py::arg("pg"), py::arg("values"), py::arg("indices"),
-        release());
+        py::arg("k") = -1, release());
   m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
         py::arg("exact"), release());
   m.def("peer_average",

@@ -180,6 +180,8 @@ def _sparse_inputs(seed, r, P, numel, dtype, case):
         k = 0 if (r == 0 and P > 1) or r == 3 else int(torch.randint(1, 40, (1,), generator=g))
     elif case == 1:
         k = 0  # everyone empty
+    elif case == 3:
+        k = 9  # the same k on every rank (Top-k's case: sparse_allgather may be told k)
     else:
         k = 5 * (r + 1)
     if numel == 0:
@@ -195,7 +197,7 @@ def _sparse_inputs(seed, r, P, numel, dtype, case):
 def _r_sparse(rank, P, seed):
     hashes = {}
     for dtype in (torch.float32, torch.float64):
-        for case, numel in ((0, 1000), (0, 7), (1, 1000), (2, 50), (1, 0)):
+        for case, numel in ((0, 1000), (0, 7), (1, 1000), (2, 50), (1, 0), (3, 100)):
             ins = [_sparse_inputs(seed, r, P, numel, dtype, case) for r in range(P)]
             v, i = ins[rank]
             out = C.sparse_allreduce(v.clone(), i.clone(), numel)
@@ -215,7 +217,33 @@ def _r_sparse(rank, P, seed):
             assert gv.dtype == dtype and gi.dtype == torch.int32
             assert torch.equal(gv, torch.cat([rv for rv, _ in ins])), (str(dtype), case, numel)
             assert torch.equal(gi, torch.cat([ri for _, ri in ins])), (str(dtype), case, numel)
+            if len({len(rv) for rv, _ in ins}) == 1:  # told k: no size exchange, the same pairs
+                kv, ki = C.sparse_allgather(v.clone(), i.clone(), k=len(v))
+                assert torch.equal(kv, gv) and torch.equal(ki, gi), (str(dtype), case, numel)
     return hashes
+
+
+def _r_sparse_allgather_k_mismatch(rank, P):
+    # rank 0: 2 float64 pairs, the others 3 float32 pairs: 40 bytes each with the header, so the exchange
+    # completes and every receiver's check of the header must name the rank that differs
+    v = torch.ones(2, dtype=torch.float64) if rank == 0 else torch.ones(3)
+    i = torch.arange(len(v), dtype=torch.int32)
+    try:
+        C.sparse_allgather(v, i, k=len(v))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_sparse_allgather_with_k_checks_every_peers_k_and_dtype(cluster):
+    res = cluster.run(_r_sparse_allgather_k_mismatch)
+    if len(res) == 1:
+        assert res == [None]  # nobody to differ from
+        return
+    assert re.search(r"rank 1 sent k=3 pairs of dtype Float but this rank \(0\) expects k=2 of dtype Double", res[0]), res[0]
+    for r in range(1, len(res)):
+        assert re.search(rf"rank 0 sent k=2 pairs of dtype Double but this rank \({r}\) expects k=3 of dtype Float",
+                         res[r]), res[r]
 
 
 def test_sparse_allreduce(cluster):
@@ -499,6 +527,9 @@ def _r_bad_args(rank, P, seed):
               i32[:3]))
     e(_expect(VE, r"sparse_allgather: index -1 at position 0 is out of range", C.sparse_allgather, f32[:1],
               torch.tensor([-1], dtype=torch.int32)))
+    e(_expect(VE, r"sparse_allgather: k=3 but this rank \(\d+\) passes 8 values; with k given, every rank sends "
+                  r"exactly k pairs", C.sparse_allgather, f32, i32, k=3))
+    e(_expect(VE, r"sparse_allgather: k must be an int >= 0 or None, got -1", C.sparse_allgather, f32, i32, k=-1))
     e(_expect(TE, r"sparse_allreduce: numel must be an int, got float", C.sparse_allreduce, f32, i32, 8.0))
     # allreduce / compressed / peer / broadcast
     e(_expect(VE, r"allreduce: op='max' is not allowed; choose one of 'avg', 'sum'", C.allreduce, f32, op="max"))

@@ -39,7 +39,8 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
 // The same exchange without the sum: every rank's pairs concatenated in rank order (sum of the ks long).
 // A caller that keeps its dense result between calls scatters these itself and later clears only them.
 std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
-                                                    const at::Tensor& indices);
+                                                    const at::Tensor& indices,
+                                                    int64_t k = -1);
 
 // Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.
