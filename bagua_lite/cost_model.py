@@ -50,10 +50,9 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        decompress 2n elements: (3 + 1/P)/2 codec round trips per element; sign
                        (error feedback) adds its residual: + n (codec/2 + 2 add). This is CA(n).
                        ``hierarchical``: treated as dense (flat ring) — a model gap, stated here.
-``topk``               TopKAllReduce (csrc/collectives/sparse_allreduce.cpp): an allgather of
-                       (k, numel, dtype) as 3 int64, then an allgather of [k values][k int32]:
-                       (P-1) 24 + (P-1) k (e + 4) bytes; gloo's allgather is a ring, so
-                       2 (P-1) alpha. Local: topk select (n * topk) + error-feedback add and zero of
+``topk``               TopKAllReduce (csrc/collectives/sparse_allreduce.cpp): k is the same on every
+                       rank, so one allgather of [k, dtype as 2 int64][k values][k int32] (no size
+                       exchange first): (P-1) (16 + k (e + 4)) bytes, (P-1) alpha. Local: topk select (n * topk) + error-feedback add and zero of
                        the dense output (2 n * add) + scatter of the P k pre-divided pairs (P k * add).
 ``gtopk``              recursive doubling (csrc/collectives/gtopk_allreduce.cpp), message k (e + 4):
                        L swaps (send and receive at once: alpha + k (e + 4) beta each); if P != P',
@@ -668,8 +667,8 @@ def _bucket_comm(name, options, P, n, e, rank, index=None):
         return _compressed_allreduce(_options(name, options)["compression"], P, n, rank)
     if name == "topk":
         k = _k(options.get("density", 0.001), n)
-        b = (P - 1) * 24 + (P - 1) * k * (e + 4)
-        return b, 2 * (P - 1), b
+        b = (P - 1) * (16 + k * (e + 4))
+        return b, P - 1, b
     if name == "gtopk":
         k = _k(options.get("density", 0.001), n)
         msg = k * (e + 4)

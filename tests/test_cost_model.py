@@ -39,8 +39,8 @@ HAND = {
     # bf16: the compressed allreduce (all-to-all of chunks, then allgather of the rank's padded chunk)
     ("gradient_allreduce", (("compression", "bf16"),)): {2: 2000, 3: 2670, 4: 3000, 5: 3200, 8: 3500},
     ("gradient_allreduce", (("compression", "minmax_uint8"),)): {2: 1016, 3: 1367, 4: 1548, 5: 1664, 8: 1862},
-    # (P-1) * (24 meta + k * 8)
-    ("topk", (("density", DENSITY),)): {2: 104, 3: 208, 4: 312, 5: 416, 8: 728},
+    # (P-1) * (16 header + k * 8): one allgather, no size exchange
+    ("topk", (("density", DENSITY),)): {2: 96, 3: 192, 4: 288, 5: 384, 8: 672},
     # messages of k * 8 = 80 bytes: log2 P' rounds (+1 on rank 0 when P is not a power of two)
     ("gtopk", (("density", DENSITY),)): {2: 80, 3: 160, 4: 160, 5: 240, 8: 240},
     # + ring(k * 4 = 40)
@@ -107,7 +107,7 @@ def test_bytes_per_rank_differ_by_rank_where_the_wire_does():
     assert g3 == [160, 80, 80]
     # Buckets add up, each with its own k.
     two = cm.bytes_per_rank("topk", {"density": DENSITY}, 4, [600, 400])
-    assert two == 3 * (24 + 6 * 8) + 3 * (24 + 4 * 8)
+    assert two == 3 * (16 + 6 * 8) + 3 * (16 + 4 * 8)
 
 
 def test_times_follow_the_formulas():
@@ -118,7 +118,7 @@ def test_times_follow_the_formulas():
     assert t("ddp", 4)["step_s"] == pytest.approx(6e-3 + 6000e-6)
     assert t("gtopk", 5, density=DENSITY)["comm_s"] == pytest.approx(4e-3 + 4 * 80e-6)  # 2 rounds + fold + unfold
     assert t("gtopk", 8, density=DENSITY)["comm_s"] == pytest.approx(3e-3 + 3 * 80e-6)
-    assert t("topk", 4, density=DENSITY)["comm_s"] == pytest.approx(6e-3 + 312e-6)
+    assert t("topk", 4, density=DENSITY)["comm_s"] == pytest.approx(3e-3 + 288e-6)  # one allgather
     assert t("gradient_allreduce", 4, compression="fp16")["comm_s"] == pytest.approx(6e-3 + 3000e-6)
     assert t("decentralized", 4)["comm_s"] == pytest.approx(1e-3 + 8000e-6)  # both neighbours share the link
     assert t("decentralized", 4, peer_selection="shift_one")["comm_s"] == pytest.approx(1e-3 + 4000e-6)
@@ -199,7 +199,7 @@ def test_gtopk_grows_with_log_p_and_topk_with_p():
     tk = lambda P: cm.predict("topk", {"density": DENSITY}, P, cm.Workload(numel=N), cm.Network(0, 1e-9), ZERO)  # noqa
     for P in (2, 4, 16, 128, 1024):
         assert g(P)["bytes_per_rank"] == 80 * math.log2(P)
-        assert tk(P)["bytes_per_rank"] == (P - 1) * 104
+        assert tk(P)["bytes_per_rank"] == (P - 1) * 96
     # non-powers of two pay one more message than the power of two below them
     assert g(1000)["bytes_per_rank"] == 80 * (9 + 1)
     rows = cm.project([("gtopk", {"density": 0.001}), ("topk", {"density": 0.001}), ("ddp", {})],

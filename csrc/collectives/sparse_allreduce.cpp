@@ -23,6 +23,13 @@ namespace {
 // Point-to-point tags of the two exchanges (gtopk_allreduce uses 0.. and 1 << 20; peer_average 0 and 1).
 constexpr int kTagMeta = (1 << 21) + 1, kTagBlocks = (1 << 21) + 2;
 
+// Bytes of a received block as dtype t. A block's values or indices do not always start at a multiple of
+// the element size (float64 or 16-bit values with an odd k, a header before them): view the bytes in
+// place when aligned, else from an aligned copy.
+at::Tensor typed(const at::Tensor& bytes, at::ScalarType t) {
+  return bytes.storage_offset() % at::elementSize(t) == 0 ? bytes.view(t) : bytes.clone().view(t);
+}
+
 // The exchange both entry points share: the meta allgather (k, numel, dtype of every rank, checked), then
 // one allgather of the packed blocks. Both are direct (every pair at once, pg_allgather_direct): the
 // messages are small, so the P-1 sequential hops of a ring allgather would cost P-1 latencies each.
@@ -56,9 +63,6 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
                static_cast<at::ScalarType>(h[1]), " but this rank (", me, ") expects k=", fixed_k, " of dtype ",
                values.scalar_type(), "; with k given, every rank must send exactly k pairs of one dtype");
     }
-    auto typed = [](const at::Tensor& bytes, at::ScalarType t) {
-      return bytes.storage_offset() % at::elementSize(t) == 0 ? bytes.view(t) : bytes.clone().view(t);
-    };
     for (int64_t r = 0; r < P; ++r) {
       auto base = recv.narrow(0, r * msg + hdr, msg - hdr);
       each(r, typed(base.narrow(0, 0, fixed_k * elem), values.scalar_type()),
@@ -96,12 +100,6 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
   auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
   pg_allgather_direct(pg, recv, send, kTagBlocks);
 
-  // A packed block starts at r * kmax * (elem + 4) bytes and its indices kmax * elem bytes further, which
-  // is not always a multiple of the element size (float64 or 16-bit values with an odd kmax): view the
-  // bytes in place when aligned, else from an aligned copy.
-  auto typed = [](const at::Tensor& bytes, at::ScalarType t) {
-    return bytes.storage_offset() % at::elementSize(t) == 0 ? bytes.view(t) : bytes.clone().view(t);
-  };
   for (int64_t r = 0; r < P; ++r) {
     const int64_t kr = ks[r];
     if (kr == 0) continue;
