@@ -44,7 +44,7 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
     BL_CHECK(values.numel() == fixed_k, fn, ": k=", fixed_k, " but this rank (", me, ") passes ", values.numel(),
              " values; with k given, every rank sends exactly k pairs");
     ks.assign(P, fixed_k);
-    if (fixed_k == 0) return;
+    // k = 0 still exchanges the headers: a peer that holds pairs is then caught, not left waiting
     constexpr int64_t hdr = 16;  // int64 k, int64 dtype
     const int64_t msg = hdr + fixed_k * (elem + 4);
     auto send = scratch_bytes(Slot::kSend, msg, dev);
