@@ -52,8 +52,9 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        ``hierarchical``: treated as dense (flat ring) — a model gap, stated here.
 ``topk``               TopKAllReduce (csrc/collectives/sparse_allreduce.cpp): k is the same on every
                        rank, so one allgather of [k, dtype as 2 int64][k values][k int32] (no size
-                       exchange first): (P-1) (16 + k (e + 4)) bytes, (P-1) alpha. Local: topk select (n * topk) + error-feedback add and zero of
-                       the dense output (2 n * add) + scatter of the P k pre-divided pairs (P k * add).
+                       exchange first): (P-1) (16 + k (e + 4)) bytes, (P-1) alpha. Local: topk
+                       select (n * topk) + error-feedback add and zero of the dense output
+                       (2 n * add) + scatter of the P k pre-divided pairs (P k * add).
 ``gtopk``              recursive doubling (csrc/collectives/gtopk_allreduce.cpp), message k (e + 4):
                        L swaps (send and receive at once: alpha + k (e + 4) beta each); if P != P',
                        one fold before and one unfold after, sequential: + 2 (alpha + k (e + 4) beta).
