@@ -40,20 +40,46 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
   const int64_t P = pg->getSize(), me = pg->getRank();
   const auto dev = values.device();
   const int64_t elem = values.element_size();
+  const int64_t k = values.numel();
+  // Sizes: told (fixed_k; each block then starts with a (k, dtype) header, checked on receipt), or the
+  // meta exchange of (k, numel, dtype) of every rank.
+  int64_t kmax = 0, hdr = 0;
+  const int64_t head[2] = {k, static_cast<int64_t>(values.scalar_type())};
   if (fixed_k >= 0) {
-    BL_CHECK(values.numel() == fixed_k, fn, ": k=", fixed_k, " but this rank (", me, ") passes ", values.numel(),
+    BL_CHECK(k == fixed_k, fn, ": k=", fixed_k, " but this rank (", me, ") passes ", k,
              " values; with k given, every rank sends exactly k pairs");
     ks.assign(P, fixed_k);
-    // k = 0 still exchanges the headers: a peer that holds pairs is then caught, not left waiting
-    constexpr int64_t hdr = 16;  // int64 k, int64 dtype
-    const int64_t msg = hdr + fixed_k * (elem + 4);
-    auto send = scratch_bytes(Slot::kSend, msg, dev);
-    const int64_t head[2] = {fixed_k, static_cast<int64_t>(values.scalar_type())};
-    send.narrow(0, 0, hdr).copy_(at::from_blob(const_cast<int64_t*>(head), {hdr}, at::kByte));
-    send.narrow(0, hdr, fixed_k * elem).copy_(values.view(at::kByte));
-    send.narrow(0, hdr + fixed_k * elem, fixed_k * 4).copy_(indices.view(at::kByte));
-    auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
-    pg_allgather_direct(pg, recv, send, kTagBlocks);
+    kmax = fixed_k;
+    hdr = sizeof(head);  // k = 0 still exchanges the headers: a peer that holds pairs is caught, not awaited
+  } else {
+    auto meta = at::tensor({k, numel, head[1]}, at::TensorOptions().dtype(at::kLong)).to(dev);
+    auto metas = at::empty({P * 3}, meta.options());
+    pg_allgather_direct(pg, metas, meta, kTagMeta);
+    auto m = metas.cpu();
+    const int64_t* mp = m.const_data_ptr<int64_t>();
+    ks.assign(P, 0);
+    for (int64_t r = 0; r < P; ++r) {
+      BL_CHECK(mp[3 * r + 1] == numel, fn, ": rank ", me, " has numel=", numel, " but rank ", r, " has ",
+               mp[3 * r + 1], "; all ranks must pass the same numel");
+      BL_CHECK(mp[3 * r + 2] == mp[2], fn, ": rank ", r, " sends values of dtype ",
+               static_cast<at::ScalarType>(mp[3 * r + 2]), " but rank 0 sends ", static_cast<at::ScalarType>(mp[2]),
+               "; all ranks must use one dtype");
+      ks[r] = mp[3 * r];
+      kmax = std::max(kmax, ks[r]);
+    }
+    if (kmax == 0) return;
+  }
+
+  // Pack: [header] values then indices, padded to kmax.
+  const int64_t msg = hdr + kmax * (elem + 4);
+  auto send = scratch_bytes(Slot::kSend, msg, dev);
+  if (hdr) send.narrow(0, 0, hdr).copy_(at::from_blob(const_cast<int64_t*>(head), {hdr}, at::kByte));
+  send.narrow(0, hdr, k * elem).copy_(values.view(at::kByte));
+  send.narrow(0, hdr + kmax * elem, k * 4).copy_(indices.view(at::kByte));
+  auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
+  pg_allgather_direct(pg, recv, send, kTagBlocks);
+
+  if (hdr) {
     auto heads = recv.view({P, msg}).narrow(1, 0, hdr).cpu().contiguous();
     const uint8_t* hp = heads.const_data_ptr<uint8_t>();
     for (int64_t r = 0; r < P; ++r) {
@@ -63,47 +89,11 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
                static_cast<at::ScalarType>(h[1]), " but this rank (", me, ") expects k=", fixed_k, " of dtype ",
                values.scalar_type(), "; with k given, every rank must send exactly k pairs of one dtype");
     }
-    for (int64_t r = 0; r < P; ++r) {
-      auto base = recv.narrow(0, r * msg + hdr, msg - hdr);
-      each(r, typed(base.narrow(0, 0, fixed_k * elem), values.scalar_type()),
-           typed(base.narrow(0, fixed_k * elem, fixed_k * 4), at::kInt));
-    }
-    return;
   }
-
-  // Meta exchange: (k, numel, dtype) of every rank.
-  auto meta = at::tensor({values.numel(), numel, static_cast<int64_t>(values.scalar_type())},
-                         at::TensorOptions().dtype(at::kLong)).to(dev);
-  auto metas = at::empty({P * 3}, meta.options());
-  pg_allgather_direct(pg, metas, meta, kTagMeta);
-  auto m = metas.cpu();
-  const int64_t* mp = m.const_data_ptr<int64_t>();
-  int64_t kmax = 0;
-  ks.assign(P, 0);
-  for (int64_t r = 0; r < P; ++r) {
-    BL_CHECK(mp[3 * r + 1] == numel, fn, ": rank ", me, " has numel=", numel, " but rank ", r, " has ",
-             mp[3 * r + 1], "; all ranks must pass the same numel");
-    BL_CHECK(mp[3 * r + 2] == mp[2], fn, ": rank ", r, " sends values of dtype ",
-             static_cast<at::ScalarType>(mp[3 * r + 2]), " but rank 0 sends ", static_cast<at::ScalarType>(mp[2]),
-             "; all ranks must use one dtype");
-    ks[r] = mp[3 * r];
-    kmax = std::max(kmax, ks[r]);
-  }
-  if (kmax == 0) return;
-
-  // Pack: values then indices, padded to kmax.
-  const int64_t msg = kmax * (elem + 4);
-  auto send = scratch_bytes(Slot::kSend, msg, dev);
-  const int64_t k = values.numel();
-  send.narrow(0, 0, k * elem).copy_(values.view(at::kByte));
-  send.narrow(0, kmax * elem, k * 4).copy_(indices.view(at::kByte));
-  auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
-  pg_allgather_direct(pg, recv, send, kTagBlocks);
-
   for (int64_t r = 0; r < P; ++r) {
     const int64_t kr = ks[r];
     if (kr == 0) continue;
-    auto base = recv.narrow(0, r * msg, msg);
+    auto base = recv.narrow(0, r * msg + hdr, msg - hdr);
     each(r, typed(base.narrow(0, 0, kr * elem), values.scalar_type()),
          typed(base.narrow(0, kmax * elem, kr * 4), at::kInt));
   }
