@@ -367,6 +367,73 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
   return !g.defined();
 }
 
+namespace {
+#define BL_INLINE_ALWAYS inline __attribute__((__always_inline__))
+BL_INLINE_ALWAYS float fused_madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+BL_INLINE_ALWAYS double fused_madd(double a, double b, double c) { return __builtin_fma(a, b, c); }
+
+bool cpu_has_fma() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("fma") != 0;
+  }();
+  return has;
+}
+
+template <class scalar_t>
+struct SgdSlots {
+  const scalar_t* g;
+  scalar_t* const* w;
+  const int64_t* offsets;
+  const int64_t* numels;
+  const double* lrs;
+  size_t np;
+  const int32_t* ip;
+  int64_t k;
+  uint64_t* seen;
+};
+
+// sparse_sgd_step_'s update loop. Built twice: with the FMA instruction, and for CPUs without it (where
+// the compiler calls fmaf). The call kept a miss on w from overlapping the next ones: 60 ns an index,
+// against 9 for scatter_add_.
+template <class scalar_t>
+BL_INLINE_ALWAYS void sgd_at_indices(const SgdSlots<scalar_t>& a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kAhead = 16;  // indices prefetched ahead: the accesses are random, mostly cache misses
+  for (int64_t j = 0; j < a.k; ++j) {
+    if (j + kAhead < a.k) {
+      const int64_t f = a.ip[j + kAhead];
+      __builtin_prefetch(a.g + f);
+      __builtin_prefetch(a.seen + (f >> 6), 1);
+      const size_t q = std::upper_bound(a.offsets, a.offsets + a.np, f) - a.offsets;
+      if (q > 0 && f - a.offsets[q - 1] < a.numels[q - 1]) __builtin_prefetch(a.w[q - 1] + (f - a.offsets[q - 1]), 1);
+    }
+    const int64_t i = a.ip[j];
+    uint64_t& word = a.seen[i >> 6];
+    const uint64_t bit = uint64_t(1) << (i & 63);
+    if (word & bit) continue;
+    word |= bit;
+    // the parameter holding bucket position i: the last one starting at or before it
+    const size_t p = std::upper_bound(a.offsets, a.offsets + a.np, i) - a.offsets;
+    if (p == 0) continue;
+    const int64_t at_p = i - a.offsets[p - 1];
+    if (at_p >= a.numels[p - 1]) continue;  // a slot not handed in (another optimizer's)
+    // SGD's update, as torch's add_(grad, alpha=-lr) computes it (a fused multiply-add)
+    scalar_t* w = a.w[p - 1] + at_p;
+    const acc_t wv = static_cast<acc_t>(*w), gv = static_cast<acc_t>(a.g[i]);
+    *w = static_cast<scalar_t>(fused_madd(static_cast<acc_t>(-a.lrs[p - 1]), gv, wv));
+  }
+}
+template <class scalar_t>
+void sgd_at_indices_default(const SgdSlots<scalar_t>& a) {
+  sgd_at_indices(a);
+}
+template <class scalar_t>
+__attribute__((target("fma"))) void sgd_at_indices_fma(const SgdSlots<scalar_t>& a) {
+  sgd_at_indices(a);
+}
+}  // namespace
+
 void sparse_sgd_step_(const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets,
                       const at::Tensor& flat, const at::Tensor& indices, const std::vector<double>& lrs) {
   const size_t np = params.size();
@@ -394,26 +461,17 @@ void sparse_sgd_step_(const std::vector<at::Tensor>& params, const std::vector<i
   // afterwards word by word at the indices visited, so a call costs O(k), not O(n)).
   thread_local std::vector<uint64_t> seen;
   if (seen.size() < static_cast<size_t>((n + 63) / 64)) seen.resize((n + 63) / 64, 0);
+  std::vector<int64_t> numels(np);
+  for (size_t p = 0; p < np; ++p) numels[p] = params[p].numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "sparse_sgd_step_", [&] {
-    const scalar_t* g = flat.const_data_ptr<scalar_t>();
     std::vector<scalar_t*> w(np);
     for (size_t p = 0; p < np; ++p) w[p] = params[p].data_ptr<scalar_t>();
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t i = ip[j];
-      uint64_t& word = seen[i >> 6];
-      const uint64_t bit = uint64_t(1) << (i & 63);
-      if (word & bit) continue;
-      word |= bit;
-      // the parameter holding bucket position i: the last one starting at or before it
-      const size_t p = std::upper_bound(offsets.begin(), offsets.end(), i) - offsets.begin();
-      if (p == 0) continue;
-      const int64_t at_p = i - offsets[p - 1];
-      if (at_p >= params[p - 1].numel()) continue;  // a slot not handed in (another optimizer's)
-      // SGD's update, as torch's add_(grad, alpha=-lr) computes it
-      using acc_t = at::opmath_type<scalar_t>;
-      const acc_t wv = static_cast<acc_t>(w[p - 1][at_p]), gv = static_cast<acc_t>(g[i]);
-      w[p - 1][at_p] = static_cast<scalar_t>(std::fma(static_cast<acc_t>(-lrs[p - 1]), gv, wv));
-    }
+    const SgdSlots<scalar_t> a{flat.const_data_ptr<scalar_t>(), w.data(), offsets.data(), numels.data(), lrs.data(),
+                               np, ip, k, seen.data()};
+    if (cpu_has_fma())
+      sgd_at_indices_fma(a);
+    else
+      sgd_at_indices_default(a);
   });
   for (int64_t j = 0; j < k; ++j) seen[ip[j] >> 6] = 0;
 }
