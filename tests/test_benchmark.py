@@ -126,6 +126,7 @@ def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
     ("max_steps: 3", r"max_steps must be an int >= steps \(5\), got 3"),
     ("min_cell_s: -1", r"min_cell_s must be a number of seconds >= 0, got -1"),
     ("steps: 0", r"steps must be an int >= 1, got 0"),
+    ("floor_each_cell: 1", r"floor_each_cell must be true or false, got 1"),
 ])
 def test_bad_step_settings_name_the_value(tmp_path, extra, pattern):
     from bagua_lite.bench.config import load_benchmark_config
@@ -213,6 +214,50 @@ algorithms:
   - ddp
   - {name: async_local_test, step_sleep_s: 0.02, optimizer: adamw, expect_optimizer: adamw}
 """
+
+
+FLOOR_YAML = """
+world_sizes: [2]
+models: [mlp_small]
+steps: 2
+warmup_steps: 1
+batch_size: 32
+bucket_size_mb: 1
+algorithms: [ddp, gradient_allreduce, {name: topk, density: 0.1}]
+"""
+
+
+def test_floor_each_cell_measures_the_floor_next_to_every_cell(tmp_path, clusters):
+    """By default one floor per model (every cell compares with it); with floor_each_cell every cell has
+    a floor of its own, measured right before it, and its x floor ratio uses that one."""
+    from bagua_lite.bench.config import load_benchmark_config
+    from bagua_lite.bench.report import print_table, summarize
+    from bagua_lite.bench.runner import _read
+
+    for each in (False, True):
+        cfg_path = tmp_path / f"floor_{each}.yaml"
+        cfg_path.write_text(FLOOR_YAML + f"floor_each_cell: {str(each).lower()}\n")
+        cfg = load_benchmark_config(str(cfg_path))
+        assert cfg["floor_each_cell"] is each
+        path = str(tmp_path / f"records_{each}.jsonl")
+        clusters.get(2).run(_r_bench_matrix, cfg, path, timeout=120)
+        records = _read(path)
+        model_floor = [r["step_s"] for r in records if r["kind"] == "floor"]
+        cells = [r for r in records if r["kind"] == "cell"]
+        assert len(model_floor) == 1 and len(cells) == 3
+        assert all(c["model_floor_s"] == model_floor[0] for c in cells)
+        floors = [c["floor_s"] for c in cells]
+        if each:  # measured three more times: timings of real steps, never all equal to the first
+            assert all(f > 0 for f in floors) and len(set(floors + model_floor)) == 4, (floors, model_floor)
+        else:
+            assert floors == model_floor * 3
+        rows = summarize(records)
+        for r, c in zip(rows, cells):
+            assert r["floor_s"] == c["floor_s"] and r["vs_floor"] == pytest.approx(r["step_s"] / c["floor_s"])
+        buf = io.StringIO()
+        print_table(rows, out=buf)
+        assert "x floor" in buf.getvalue().splitlines()[0]
+        assert f"{rows[2]['vs_floor']:.2f}" in buf.getvalue().splitlines()[4]
 
 
 def test_asynchronous_algorithm_is_timed_per_rank_without_per_step_sync(tmp_path, clusters):

@@ -10,6 +10,11 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  always uses SGD.
 ``stragglers``   a matrix axis, default ``[none]``; ``half``: rank 0 runs at half speed (see ``runner``).
 ``lr``           the learning rate of every cell's optimizer (default: 0.01 for sgd, 1e-3 for adam/adamw).
+``floor_each_cell`` measure the compute floor again right before every cell (default false: once per
+                 model, network and world size, before its first cell). A cell's ``floor_s`` and its
+                 ``x floor`` ratio then come from the floor measured next to it in time, so a machine
+                 whose speed drifts over minutes (steal time on a shared VM) moves both alike; it costs
+                 one floor measurement (about 10 steps without communication) per cell.
 
 ``mode``         ``throughput`` (default: seconds per step over a few timed steps) or ``convergence``:
                  every algorithm trains the model's task (``bench.data``) from the same seed until the
@@ -28,7 +33,8 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  not decide. The JSON/CSV keep one row per seed.
 ``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
                  every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
-The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``) are
+The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``,
+``floor_each_cell``) are
 refused in convergence mode, and the convergence keys in throughput mode.
 """
 
@@ -42,7 +48,7 @@ STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstri
 STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
 MODES = ("throughput", "convergence")
 METRICS = ("accuracy", "loss")
-THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project")
+THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell")
 CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
                     "seeds")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
@@ -74,7 +80,7 @@ def load_benchmark_config(path):
         _check_convergence(cfg)
     out = {"mode": "throughput", "lr": None, "world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
-           "max_steps": None, "stragglers": ["none"]}
+           "max_steps": None, "stragglers": ["none"], "floor_each_cell": False}
     if mode == "convergence":
         out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0)
     out.update(cfg)
@@ -95,6 +101,8 @@ def load_benchmark_config(path):
     if not isinstance(out["max_steps"], int) or isinstance(out["max_steps"], bool) or out["max_steps"] < out["steps"]:
         raise ValueError(f"benchmark config: max_steps must be an int >= steps ({out['steps']}), "
                          f"got {out['max_steps']!r}")
+    if not isinstance(out.get("floor_each_cell", False), bool):
+        raise ValueError(f"benchmark config: floor_each_cell must be true or false, got {out['floor_each_cell']!r}")
     m = out["min_cell_s"]
     if not isinstance(m, (int, float)) or isinstance(m, bool) or m < 0:
         raise ValueError(f"benchmark config: min_cell_s must be a number of seconds >= 0, got {m!r}")

@@ -77,6 +77,7 @@ def summarize(records):
             "steps_measured": len(c["times"]), "samples_per_s": samples,
             "speedup_vs_ddp": (samples / ddp_samples) if ddp_samples else None,
             "ddp_baseline": ddp["label"] if ddp else None, "floor_s": c["floor_s"],
+            "vs_floor": step / c["floor_s"] if c["floor_s"] else None,
             "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
             "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),
             "final_loss": c["loss"], "predicted_step_s": pred_step,
@@ -98,7 +99,7 @@ def print_table(rows, out=sys.stdout):
            + f"{'algorithm':<34}" + (f"{'optim':<6}" if show_opt else "") + f"{'s/step':>8}"
            + (f"{'fast':>7}" if show_fast else "")
            + f"{'samples/s':>10}{'vs DDP':>8}"
-           f"{'floor':>7}{'exposed':>8}{'hidden':>7}{'MB/step':>9}{'loss':>8}{'pred':>7}{'err':>6}")
+           f"{'floor':>7}{'x floor':>8}{'exposed':>8}{'hidden':>7}{'MB/step':>9}{'loss':>8}{'pred':>7}{'err':>6}")
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
     def fmt(v, f):
@@ -111,10 +112,12 @@ def print_table(rows, out=sys.stdout):
               + f"{r['algorithm'][:33]:<34}" + (f"{r['optimizer']:<6}" if show_opt else "")
               + f"{r['step_s']:>8.3f}" + (fmt(r["fast_s_per_step"], ">7.3f") if show_fast else "")
               + f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
-              f"{fmt(r['comm_exposed_s'], '>8.3f')}{fmt(r['hidden_share'], '>7.0%')}"
+              f"{fmt(r['vs_floor'], '>8.2f')}{fmt(r['comm_exposed_s'], '>8.3f')}{fmt(r['hidden_share'], '>7.0%')}"
               f"{fmt(None if mb is None else mb / 1e6, '>9.2f')}"
               f"{r['final_loss']:>8.3f}{fmt(r['predicted_step_s'], '>7.3f')}{fmt(r['prediction_error'], '>6.0%')}",
               file=out)
+    print("floor: the same step without any communication; x floor: s/step over it (the floor is measured "
+          "before the model's first cell, or next to each cell with floor_each_cell).", file=out)
     print("MB/step: bytes this rank sent per step (network namespace counter on emulated links, bagua_lite's "
           "own counter on loopback; '-' prediction: no model). hidden: share of engine time overlapped with "
           "backward.", file=out)

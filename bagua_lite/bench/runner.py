@@ -51,7 +51,8 @@ ranks other than the straggler (all ranks with no straggler), ``straggler``, ``o
 ``asynchronous``, ``samples_per_s`` (P x batch / step_s; an asynchronous algorithm: the sum of every
 rank's own rate, batch / rank_s_per_step, since no rank waits for the others) and ``speedup_vs_ddp``
 (samples/s over that of the DDP row, named in ``ddp_baseline``, of the same network, P, model and
-straggler condition, with the same optimizer if the matrix has such a DDP row, else plain DDP).
+straggler condition, with the same optimizer if the matrix has such a DDP row, else plain DDP),
+``floor_s`` the compute floor this cell is compared with and ``vs_floor`` = step_s / floor_s.
 """
 import argparse
 import datetime
@@ -304,8 +305,10 @@ def worker_main(cfg, network, result_path):
               "step_s": floor, "bucket_numels": bucket_numels})
         for straggler in cfg["stragglers"]:
             for cell in cfg["algorithms"]:
+                # the floor next to this cell in time (floor_each_cell), or the model's
+                cell_floor = _compute_floor(model_name, batches, cfg) if cfg.get("floor_each_cell") else floor
                 res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
-                work = cost_model.Workload(numel=numel, compute_s=floor, bucket_numels=bucket_numels)
+                work = cost_model.Workload(numel=numel, compute_s=cell_floor, bucket_numels=bucket_numels)
                 if straggler != "none":
                     pred = {"skipped": "the cost model knows no stragglers"}
                 else:
@@ -315,7 +318,8 @@ def worker_main(cfg, network, result_path):
                         pred = {"error": str(e)}
                 emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
                       "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
-                      "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": floor,
+                      "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": cell_floor,
+                      "model_floor_s": floor,
                       "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
     if owned:
         dist.destroy_process_group()
