@@ -3,6 +3,7 @@ import csv
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -127,6 +128,7 @@ def test_bad_benchmark_config_is_rejected_before_launch(tmp_path):
     ("min_cell_s: -1", r"min_cell_s must be a number of seconds >= 0, got -1"),
     ("steps: 0", r"steps must be an int >= 1, got 0"),
     ("floor_each_cell: 1", r"floor_each_cell must be true or false, got 1"),
+    ("repeats: 0", r"repeats must be an int >= 1, got 0"),
 ])
 def test_bad_step_settings_name_the_value(tmp_path, extra, pattern):
     from bagua_lite.bench.config import load_benchmark_config
@@ -227,37 +229,55 @@ algorithms: [ddp, gradient_allreduce, {name: topk, density: 0.1}]
 """
 
 
-def test_floor_each_cell_measures_the_floor_next_to_every_cell(tmp_path, clusters):
-    """By default one floor per model (every cell compares with it); with floor_each_cell every cell has
-    a floor of its own, measured right before it, and its x floor ratio uses that one."""
+def test_floor_each_cell_and_repeats(tmp_path, clusters):
+    """By default one floor per model (every cell compares with it) and each algorithm once; with
+    floor_each_cell every cell has a floor of its own, measured right before it, and its x floor ratio
+    uses that one; with repeats: 2 the whole list runs twice (A B C A B C) and each row pools its two
+    cells' steps, its floor the median of their floors, listing each repeat's own s/step."""
     from bagua_lite.bench.config import load_benchmark_config
-    from bagua_lite.bench.report import print_table, summarize
+    from bagua_lite.bench.report import cycle_median, print_table, summarize
     from bagua_lite.bench.runner import _read
 
     for each in (False, True):
         cfg_path = tmp_path / f"floor_{each}.yaml"
-        cfg_path.write_text(FLOOR_YAML + f"floor_each_cell: {str(each).lower()}\n")
+        cfg_path.write_text(FLOOR_YAML + f"floor_each_cell: {str(each).lower()}\n" + ("repeats: 2\n" if each else ""))
         cfg = load_benchmark_config(str(cfg_path))
-        assert cfg["floor_each_cell"] is each
+        assert cfg["floor_each_cell"] is each and cfg["repeats"] == (2 if each else 1)
         path = str(tmp_path / f"records_{each}.jsonl")
-        clusters.get(2).run(_r_bench_matrix, cfg, path, timeout=120)
+        clusters.get(2).run(_r_bench_matrix, cfg, path, timeout=180)
         records = _read(path)
         model_floor = [r["step_s"] for r in records if r["kind"] == "floor"]
         cells = [r for r in records if r["kind"] == "cell"]
-        assert len(model_floor) == 1 and len(cells) == 3
+        names = ["ddp", "gradient_allreduce", "topk"]
+        assert len(model_floor) == 1 and [c["algorithm"] for c in cells] == names * cfg["repeats"]
+        assert [c["repeat"] for c in cells] == [r for r in range(cfg["repeats"]) for _ in names]
         assert all(c["model_floor_s"] == model_floor[0] for c in cells)
         floors = [c["floor_s"] for c in cells]
-        if each:  # measured three more times: timings of real steps, never all equal to the first
-            assert all(f > 0 for f in floors) and len(set(floors + model_floor)) == 4, (floors, model_floor)
+        if each:  # measured six more times: timings of real steps, never all equal to the first
+            assert all(f > 0 for f in floors) and len(set(floors + model_floor)) == 7, (floors, model_floor)
         else:
             assert floors == model_floor * 3
         rows = summarize(records)
-        for r, c in zip(rows, cells):
-            assert r["floor_s"] == c["floor_s"] and r["vs_floor"] == pytest.approx(r["step_s"] / c["floor_s"])
+        assert [r["name"] for r in rows] == names  # one row per cell of the matrix
+        for i, r in enumerate(rows):
+            mine = cells[i::len(names)]
+            assert r["repeats"] == cfg["repeats"] and r["steps_measured"] == sum(len(c["times"]) for c in mine)
+            assert r["repeat_step_s"] == [cycle_median(c["times"]) for c in mine]
+            assert r["floor_s"] == pytest.approx(statistics.median(c["floor_s"] for c in mine))
+            assert r["step_s"] == pytest.approx(statistics.median([t for c in mine for t in c["times"]]))
+            assert r["vs_floor"] == pytest.approx(r["step_s"] / r["floor_s"])
         buf = io.StringIO()
         print_table(rows, out=buf)
-        assert "x floor" in buf.getvalue().splitlines()[0]
-        assert f"{rows[2]['vs_floor']:.2f}" in buf.getvalue().splitlines()[4]
+        lines = buf.getvalue().splitlines()
+        assert "x floor" in lines[0] and f"{rows[2]['vs_floor']:.2f}" in lines[4]
+        listed = [line for line in lines if line.startswith("  loopback P=2 mlp_small topk")]
+        if each:
+            s1, s2 = rows[2]["repeat_step_s"]
+            f1, f2 = rows[2]["repeat_floor_s"]
+            assert listed == [f"  loopback P=2 mlp_small {rows[2]['algorithm']}: {s1:.3f} ({s1 / f1:.2f}) / "
+                              f"{s2:.3f} ({s2 / f2:.2f})"], lines
+        else:
+            assert listed == []
 
 
 def test_asynchronous_algorithm_is_timed_per_rank_without_per_step_sync(tmp_path, clusters):

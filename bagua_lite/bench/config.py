@@ -15,6 +15,11 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  ``x floor`` ratio then come from the floor measured next to it in time, so a machine
                  whose speed drifts over minutes (steal time on a shared VM) moves both alike; it costs
                  one floor measurement (about 10 steps without communication) per cell.
+``repeats``      run the whole list of algorithms this many times in a row (default 1: A B C; 2: A B C A B
+                 C), in the same processes; a row pools its cell's steps over the repeats (its s/step is
+                 the median of all of them, its floor the median of its floors) and lists each repeat's
+                 own s/step, so an order effect (the first cell of a run measured slower) or a slow minute
+                 of the machine weighs one repeat, not the figure.
 
 ``mode``         ``throughput`` (default: seconds per step over a few timed steps) or ``convergence``:
                  every algorithm trains the model's task (``bench.data``) from the same seed until the
@@ -34,7 +39,7 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
 ``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
                  every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
 The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``,
-``floor_each_cell``) are
+``floor_each_cell``, ``repeats``) are
 refused in convergence mode, and the convergence keys in throughput mode.
 """
 
@@ -48,7 +53,7 @@ STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstri
 STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
 MODES = ("throughput", "convergence")
 METRICS = ("accuracy", "loss")
-THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell")
+THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell", "repeats")
 CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
                     "seeds")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
@@ -80,7 +85,7 @@ def load_benchmark_config(path):
         _check_convergence(cfg)
     out = {"mode": "throughput", "lr": None, "world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
-           "max_steps": None, "stragglers": ["none"], "floor_each_cell": False}
+           "max_steps": None, "stragglers": ["none"], "floor_each_cell": False, "repeats": 1}
     if mode == "convergence":
         out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0)
     out.update(cfg)
@@ -90,7 +95,7 @@ def load_benchmark_config(path):
     lr = out["lr"]
     if lr is not None and (not isinstance(lr, (int, float)) or isinstance(lr, bool) or lr <= 0):
         raise ValueError(f"benchmark config: lr must be a number > 0 (or absent: the optimizer's default), got {lr!r}")
-    for key, lowest in (("steps", 1), ("warmup_steps", 0)):
+    for key, lowest in (("steps", 1), ("warmup_steps", 0), ("repeats", 1)):
         v = out[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < lowest:
             raise ValueError(f"benchmark config: {key} must be an int >= {lowest}, got {v!r}")

@@ -47,9 +47,40 @@ def _cell_figures(c):
     return step, samples, (rank_s or None), fast
 
 
+_LISTS = ("times", "waits", "busy", "bytes", "tx_bytes")  # a cell record's per-step series
+
+
+def merge_repeats(cells):
+    """One record per cell of the matrix: the repeats of a cell (``repeats`` in the config; same network,
+    P, model, label, straggler condition and optimizer) pooled, their per-step series concatenated, the
+    floor the median of their floors, and ``repeat_step_s`` / ``repeat_floor_s`` each repeat's own."""
+    groups = {}
+    for c in cells:
+        key = (c["network"], c["world_size"], c["model"], c["label"], c.get("straggler", "none"),
+               c.get("optimizer", "sgd"))
+        groups.setdefault(key, []).append(c)
+    out = []
+    for same in groups.values():
+        m = dict(same[0])
+        m["repeat_step_s"] = [cycle_median(c["times"], c.get("cycle", 1)) for c in same]
+        m["repeat_floor_s"] = [c["floor_s"] for c in same]
+        if len(same) > 1:
+            for f in _LISTS:
+                m[f] = [v for c in same for v in (c.get(f) or [])]
+            if same[0].get("rank_times"):
+                m["rank_times"] = [[t for c in same for t in c["rank_times"][r]]
+                                   for r in range(len(same[0]["rank_times"]))]
+            m["floor_s"] = statistics.median(m["repeat_floor_s"])
+            m["loss"] = same[-1]["loss"]
+            m["picked"] = next((c.get("picked") for c in same if c.get("picked")), None)
+        out.append(m)
+    return out
+
+
 def summarize(records):
-    """Turn raw records into one row per cell with medians (over whole cycles) and ratios."""
-    cells = [r for r in records if r["kind"] == "cell"]
+    """Turn raw records into one row per cell with medians (over whole cycles) and ratios; a cell
+    measured more than once (``repeats``) is one row over all its steps (``merge_repeats``)."""
+    cells = merge_repeats([r for r in records if r["kind"] == "cell"])
     rows = []
     for c in cells:
         cyc = c.get("cycle", 1)
@@ -82,7 +113,8 @@ def summarize(records):
             "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),
             "final_loss": c["loss"], "predicted_step_s": pred_step,
             "prediction_error": (abs(pred_step - step) / step) if pred_step else None,
-            "picked": c.get("picked"),
+            "picked": c.get("picked"), "repeats": len(c["repeat_step_s"]), "repeat_step_s": c["repeat_step_s"],
+            "repeat_floor_s": c["repeat_floor_s"],
         })
     return rows
 
@@ -125,6 +157,15 @@ def print_table(rows, out=sys.stdout):
         print(f"s/step: the slowest rank's; fast: the median rank other than the straggler (rank {STRAGGLER_RANK}). "
               "straggler 'half': rank 0 sleeps as long as each of its steps took. Asynchronous algorithms' "
               "samples/s add up every rank's own rate.", file=out)
+    if any(r["repeats"] > 1 for r in rows):
+        print("each repeat's own s/step (x its floor), in the order they ran; a row's s/step pools their steps:",
+              file=out)
+        for r in rows:
+            if r["repeats"] > 1:
+                each = " / ".join(f"{s:.3f} ({s / f:.2f})" if s and f else "-"
+                                  for s, f in zip(r["repeat_step_s"], r["repeat_floor_s"]))
+                print(f"  {r['network']} P={r['world_size']} {r['model']} {r['algorithm']}"
+                      + (f" [{r['straggler']}]" if show_straggler else "") + f": {each}", file=out)
     if not show_straggler and stragglers != ["none"]:
         print(f"every row ran with straggler condition {stragglers[0]!r}", file=out)
 

@@ -303,24 +303,25 @@ def worker_main(cfg, network, result_path):
         bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
               "step_s": floor, "bucket_numels": bucket_numels})
-        for straggler in cfg["stragglers"]:
-            for cell in cfg["algorithms"]:
-                # the floor next to this cell in time (floor_each_cell), or the model's
-                cell_floor = _compute_floor(model_name, batches, cfg) if cfg.get("floor_each_cell") else floor
-                res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
-                work = cost_model.Workload(numel=numel, compute_s=cell_floor, bucket_numels=bucket_numels)
-                if straggler != "none":
-                    pred = {"skipped": "the cost model knows no stragglers"}
-                else:
-                    try:
-                        pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
-                    except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
-                        pred = {"error": str(e)}
-                emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
-                      "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
-                      "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": cell_floor,
-                      "model_floor_s": floor,
-                      "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
+        # repeats of the whole list of algorithms, then straggler conditions, then algorithms
+        for repeat, straggler, cell in [(r, s, c) for r in range(cfg.get("repeats", 1))
+                                        for s in cfg["stragglers"] for c in cfg["algorithms"]]:
+            # the floor next to this cell in time (floor_each_cell), or the model's
+            cell_floor = _compute_floor(model_name, batches, cfg) if cfg.get("floor_each_cell") else floor
+            res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
+            work = cost_model.Workload(numel=numel, compute_s=cell_floor, bucket_numels=bucket_numels)
+            if straggler != "none":
+                pred = {"skipped": "the cost model knows no stragglers"}
+            else:
+                try:
+                    pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
+                except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
+                    pred = {"error": str(e)}
+            emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
+                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                  "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": cell_floor,
+                  "model_floor_s": floor, "repeat": repeat,
+                  "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
     if owned:
         dist.destroy_process_group()
 
@@ -447,7 +448,7 @@ def main(argv=None):
         if os.path.exists(path):
             os.unlink(path)
         per_launch = (len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
-                      * len(cfg.get("seeds") or [0]))  # seeds: convergence mode only
+                      * len(cfg.get("seeds") or [0]) * cfg.get("repeats", 1))  # seeds: convergence mode only
         total = per_launch * len(networks) * len(cfg["world_sizes"])
         t0 = time.monotonic()
         for network in networks:
