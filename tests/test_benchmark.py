@@ -266,6 +266,9 @@ def test_floor_each_cell_and_repeats(tmp_path, clusters):
             assert r["floor_s"] == pytest.approx(statistics.median(c["floor_s"] for c in mine))
             assert r["step_s"] == pytest.approx(statistics.median([t for c in mine for t in c["times"]]))
             assert r["vs_floor"] == pytest.approx(r["step_s"] / r["floor_s"])
+            # the cost model's prediction: the one made with the middle floor (the lower one of two)
+            middle = sorted(mine, key=lambda c: c["floor_s"])[(len(mine) - 1) // 2]
+            assert r["predicted_step_s"] == middle["prediction"]["step_s"]
         buf = io.StringIO()
         print_table(rows, out=buf)
         lines = buf.getvalue().splitlines()

@@ -53,7 +53,10 @@ _LISTS = ("times", "waits", "busy", "bytes", "tx_bytes")  # a cell record's per-
 def merge_repeats(cells):
     """One record per cell of the matrix: the repeats of a cell (``repeats`` in the config; same network,
     P, model, label, straggler condition and optimizer) pooled, their per-step series concatenated, the
-    floor the median of their floors, and ``repeat_step_s`` / ``repeat_floor_s`` each repeat's own."""
+    floor the median of their floors, and ``repeat_step_s`` / ``repeat_floor_s`` each repeat's own. The
+    cost model's prediction is the one made with the middle floor (the lower middle one of an even
+    count): a prediction adds communication to the floor it was given, so one slow floor measurement
+    would otherwise set the row's prediction."""
     groups = {}
     for c in cells:
         key = (c["network"], c["world_size"], c["model"], c["label"], c.get("straggler", "none"),
@@ -73,6 +76,7 @@ def merge_repeats(cells):
             m["floor_s"] = statistics.median(m["repeat_floor_s"])
             m["loss"] = same[-1]["loss"]
             m["picked"] = next((c.get("picked") for c in same if c.get("picked")), None)
+            m["prediction"] = sorted(same, key=lambda c: c["floor_s"])[(len(same) - 1) // 2].get("prediction")
         out.append(m)
     return out
 
