@@ -14,6 +14,10 @@ namespace bagua_lite {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 
+// Forces inlining of a small helper into its caller (also into a caller built with another target, such
+// as an AVX2 or FMA clone of a kernel loop, where the helper then uses the caller's instructions).
+#define BL_ALWAYS_INLINE inline __attribute__((__always_inline__))
+
 // ---- argument checks: every message names the function, the bad value and what is allowed ----------
 #define BL_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
 

@@ -106,7 +106,7 @@ def load_benchmark_config(path):
     if not isinstance(out["max_steps"], int) or isinstance(out["max_steps"], bool) or out["max_steps"] < out["steps"]:
         raise ValueError(f"benchmark config: max_steps must be an int >= steps ({out['steps']}), "
                          f"got {out['max_steps']!r}")
-    if not isinstance(out.get("floor_each_cell", False), bool):
+    if not isinstance(out["floor_each_cell"], bool):
         raise ValueError(f"benchmark config: floor_each_cell must be true or false, got {out['floor_each_cell']!r}")
     m = out["min_cell_s"]
     if not isinstance(m, (int, float)) or isinstance(m, bool) or m < 0:

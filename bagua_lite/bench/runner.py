@@ -304,10 +304,10 @@ def worker_main(cfg, network, result_path):
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
               "step_s": floor, "bucket_numels": bucket_numels})
         # repeats of the whole list of algorithms, then straggler conditions, then algorithms
-        for repeat, straggler, cell in [(r, s, c) for r in range(cfg.get("repeats", 1))
+        for repeat, straggler, cell in [(r, s, c) for r in range(cfg["repeats"])
                                         for s in cfg["stragglers"] for c in cfg["algorithms"]]:
             # the floor next to this cell in time (floor_each_cell), or the model's
-            cell_floor = _compute_floor(model_name, batches, cfg) if cfg.get("floor_each_cell") else floor
+            cell_floor = _compute_floor(model_name, batches, cfg) if cfg["floor_each_cell"] else floor
             res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
             work = cost_model.Workload(numel=numel, compute_s=cell_floor, bucket_numels=bucket_numels)
             if straggler != "none":
@@ -448,7 +448,7 @@ def main(argv=None):
         if os.path.exists(path):
             os.unlink(path)
         per_launch = (len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
-                      * len(cfg.get("seeds") or [0]) * cfg.get("repeats", 1))  # seeds: convergence mode only
+                      * len(cfg.get("seeds") or [0]) * cfg["repeats"])  # seeds: convergence mode only
         total = per_launch * len(networks) * len(cfg["world_sizes"])
         t0 = time.monotonic()
         for network in networks:

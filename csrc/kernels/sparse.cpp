@@ -368,9 +368,8 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
 }
 
 namespace {
-#define BL_INLINE_ALWAYS inline __attribute__((__always_inline__))
-BL_INLINE_ALWAYS float fused_madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-BL_INLINE_ALWAYS double fused_madd(double a, double b, double c) { return __builtin_fma(a, b, c); }
+BL_ALWAYS_INLINE float fused_madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+BL_ALWAYS_INLINE double fused_madd(double a, double b, double c) { return __builtin_fma(a, b, c); }
 
 bool cpu_has_fma() {
   static const bool has = [] {
@@ -397,7 +396,7 @@ struct SgdSlots {
 // the compiler calls fmaf). The call kept a miss on w from overlapping the next ones (60 ns an index,
 // against 2-9 ns for scatter_add_); the prefetch of the next indices halves what is left.
 template <class scalar_t>
-BL_INLINE_ALWAYS void sgd_at_indices(const SgdSlots<scalar_t>& a) {
+BL_ALWAYS_INLINE void sgd_at_indices(const SgdSlots<scalar_t>& a) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int64_t kAhead = 16;  // indices prefetched ahead: the accesses are random, mostly cache misses
   for (int64_t j = 0; j < a.k; ++j) {

@@ -42,6 +42,8 @@
 #include <memory>
 #include <vector>
 
+#include "common.h"
+
 namespace bagua_lite {
 namespace kernels {
 
@@ -104,8 +106,6 @@ template <class Key>
 constexpr Key kTopBit = Key(Key(1) << (kKeyBits<Key> - 1));
 template <class Key>
 constexpr Key kMagMask = Key(~kTopBit<Key>);
-
-#define BL_ALWAYS_INLINE inline __attribute__((__always_inline__))
 
 template <class Key>
 BL_ALWAYS_INLINE Key key_of(RawBits<Key> raw) {
