@@ -8,8 +8,8 @@ import torch
 
 from . import _C
 
-__all__ = ["topk", "topk_out", "compress", "decompress", "wire_bytes", "sparse_normalize", "merge_topk",
-           "scatter_add_", "ef_remove_"]
+__all__ = ["topk", "topk_out", "block_max_combine_", "compress", "decompress", "wire_bytes", "sparse_normalize",
+           "merge_topk", "scatter_add_", "ef_remove_"]
 
 
 def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -21,9 +21,23 @@ def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return _C.topk(x, k)
 
 
-def topk_out(x, k, values, indices) -> None:
-    """:func:`topk` into preallocated ``values`` (x.dtype) and ``indices`` (int32) of >= k elements."""
-    _C.topk_out(x, k, values, indices)
+def topk_out(x, k, values, indices, block_max=None) -> None:
+    """:func:`topk` into preallocated ``values`` (x.dtype) and ``indices`` (int32) of >= k elements.
+
+    ``block_max`` (float32 ``x`` on the CPU): an int32 tensor of ``ceil(x.numel() / 64)`` upper bounds on
+    the magnitude keys (float32 bits with the sign cleared) of x's 64-element blocks, as
+    :func:`block_max_combine_` leaves them after zeroing. Only the blocks that can hold the top k are then
+    read. Bounds that are too large cost speed, never exactness; a bound below its block's largest key can
+    lose that element, so pass bounds that cover every element written since they were zeroed.
+    """
+    _C.topk_out(x, k, values, indices, block_max)
+
+
+def block_max_combine_(block_max, x, block_offset: int = 0):
+    """Raise ``block_max``'s slots to the magnitude keys of ``x`` (float32), which holds bucket positions
+    ``[block_offset, block_offset + x.numel())``; slot b covers positions ``[64 b, 64 b + 64)``."""
+    _C.block_max_combine_(block_max, x, block_offset)
+    return block_max
 
 
 def compress(x: torch.Tensor, compression: str) -> torch.Tensor:

@@ -68,7 +68,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // ---- kernels ----
   m.def("topk", &kern::topk, "Exact top-k by magnitude; int32 indices ascending", py::arg("x"), py::arg("k"),
         release());
-  m.def("topk_out", &kern::topk_out, py::arg("x"), py::arg("k"), py::arg("values"), py::arg("indices"), release());
+  m.def(
+      "topk_out",
+      [](const at::Tensor& x, int64_t k, at::Tensor values, at::Tensor indices, std::optional<at::Tensor> block_max) {
+        kern::topk_out(x, k, values, indices, block_max ? *block_max : at::Tensor());
+      },
+      py::arg("x"), py::arg("k"), py::arg("values"), py::arg("indices"), py::arg("block_max") = py::none(), release());
   m.def("compress", &kern::compress, py::arg("x"), py::arg("compression"), release());
   m.def("decompress", &kern::decompress, py::arg("wire"), py::arg("compression"), py::arg("numel"),
         py::arg("dtype"), release());
@@ -86,17 +91,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return kern::scale_checked(dst, src ? *src : at::Tensor(), scale);
         },
         py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, release());
-  m.def("add_checked", [](at::Tensor out, const at::Tensor& a, const at::Tensor& b) { return kern::add_checked(out, a, b); },
-        py::arg("out"), py::arg("a"), py::arg("b"), release());
+  m.def(
+      "add_checked",
+      [](at::Tensor out, const at::Tensor& a, const at::Tensor& b, std::optional<at::Tensor> block_max,
+         int64_t block_offset) {
+        return kern::add_checked(out, a, b, block_max ? *block_max : at::Tensor(), block_offset);
+      },
+      py::arg("out"), py::arg("a"), py::arg("b"), py::arg("block_max") = py::none(), py::arg("block_offset") = 0,
+      release());
+  m.def("_topk_last_path", &kern::detail::topk_last_path,
+        "test hook: which CPU path this thread's last topk took (1 trivial, 2 sampled threshold, 3/4 exact "
+        "fallbacks, 5 block maxima)");
+  m.def("block_max_combine_", [](at::Tensor bm, const at::Tensor& x, int64_t lo) { kern::block_max_combine_(bm, x, lo); },
+        py::arg("block_max"), py::arg("x"), py::arg("block_offset"), release());
   m.def(
       "momentum_add_checked",
       [](at::Tensor u_out, at::Tensor acc_out, const at::Tensor& u, const at::Tensor& residual,
-         std::optional<at::Tensor> g, double m, std::optional<at::Tensor> w, double wd) {
+         std::optional<at::Tensor> g, double m, std::optional<at::Tensor> w, double wd,
+         std::optional<at::Tensor> block_max, int64_t block_offset) {
         return kern::momentum_add_checked(u_out, acc_out, u, residual, g ? *g : at::Tensor(), m, w ? *w : at::Tensor(),
-                                          wd);
+                                          wd, block_max ? *block_max : at::Tensor(), block_offset);
       },
       py::arg("u_out"), py::arg("acc_out"), py::arg("u"), py::arg("residual"), py::arg("g"), py::arg("m"),
-      py::arg("w") = py::none(), py::arg("wd") = 0.0, release());
+      py::arg("w") = py::none(), py::arg("wd") = 0.0, py::arg("block_max") = py::none(), py::arg("block_offset") = 0,
+      release());
 
   m.def(
       "sparse_sgd_step_",

@@ -478,3 +478,68 @@ def test_sparse_sgd_step_rejects_bad_arguments():
         _C.sparse_sgd_step_([p], [0], flat, ok, [])
     with pytest.raises(ValueError, match="of flat's dtype"):
         _C.sparse_sgd_step_([p.double()], [0], flat, ok, [0.1])
+
+
+# ---- block maxima: the error-feedback writers leave per-64-element bounds for topk_out(block_max=...)
+def _bounds_of(x):
+    keys = x.reshape(-1).view(torch.int32) & 0x7FFFFFFF
+    pad = torch.zeros((keys.numel() + 63) // 64 * 64, dtype=torch.int32)
+    pad[:keys.numel()] = keys
+    return pad.view(-1, 64).amax(1)
+
+
+@pytest.mark.parametrize("writer", ["momentum", "momentum_decay", "momentum_no_grad", "momentum_nan_grad", "add",
+                                    "add_nan", "add_strided", "combine"])
+def test_block_max_writers(writer):
+    """Written slice by slice (cuts inside blocks), the bounds equal each block's largest key of the final
+    output (an inf/NaN in a non-finite first pass may only raise them), and the outputs are exactly those
+    of the call without bounds."""
+    from bagua_lite import _C
+    n, m, wd = 10_037, 0.9, 0.01
+    u, r, g, w = (_rand(n, s) for s in (1, 2, 3, 4))
+    if writer.endswith("nan_grad") or writer == "add_nan":
+        g[70] = float("nan")  # in block 1
+    bm = torch.zeros((n + 63) // 64, dtype=torch.int32)
+    cuts = [0, 13, 64, 100, 1000, 1001, 5000, n]
+    want_u, want_acc = torch.empty(n), torch.empty(n)
+    got_u, got_acc = torch.empty(n), torch.empty(n)
+    for lo, hi in zip(cuts, cuts[1:]):
+        s = slice(lo, hi)
+        if writer.startswith("momentum"):
+            gg = None if writer == "momentum_no_grad" else g[s]
+            ww, dd = (w[s], wd) if writer == "momentum_decay" else (None, 0.0)
+            a = _C.momentum_add_checked(want_u[s], want_acc[s], u[s], r[s], gg, m, ww, dd)
+            b = _C.momentum_add_checked(got_u[s], got_acc[s], u[s], r[s], gg, m, ww, dd, bm, lo)
+            assert a == b
+        elif writer.startswith("add"):
+            out = torch.empty(2 * (hi - lo))[::2] if writer == "add_strided" else got_acc[s]
+            a = _C.add_checked(want_acc[s], r[s], g[s])
+            if writer == "add_strided":  # a strided output has no float32 fast path: the bounds are refused
+                with pytest.raises(RuntimeError, match="block_max needs a contiguous CPU float32 output"):
+                    _C.add_checked(out, r[s], g[s], bm, lo)
+                return
+            assert _C.add_checked(out, r[s], g[s], bm, lo) == a
+        else:
+            want_acc[s] = r[s] * 3
+            got_acc[s] = r[s] * 3
+            bagua_lite.kernels.block_max_combine_(bm, got_acc[s], lo)
+    assert torch.equal(got_acc, want_acc)
+    if writer.startswith("momentum"):
+        assert torch.equal(got_u, want_u)
+    exact = _bounds_of(want_acc)
+    assert bool((bm >= exact).all()), "a bound below its block's largest key"
+    raised = torch.nonzero(bm != exact).flatten().tolist()
+    assert raised == ([1] if "nan" in writer else []), raised
+
+
+def test_block_max_writer_arguments_named():
+    from bagua_lite import _C
+    x, y = torch.ones(130), torch.ones(130)
+    with pytest.raises(RuntimeError, match=r"block_max has 2 blocks; elements \[0, 130\) of the bucket need 3"):
+        _C.add_checked(torch.empty(130), x, y, torch.zeros(2, dtype=torch.int32), 0)
+    with pytest.raises(RuntimeError, match=r"block_max has 3 blocks; elements \[70, 200\) of the bucket need 4"):
+        _C.add_checked(torch.empty(130), x, y, torch.zeros(3, dtype=torch.int32), 70)
+    with pytest.raises(RuntimeError, match="block_max must be a contiguous CPU int32 tensor, got Float"):
+        _C.momentum_add_checked(torch.empty(130), torch.empty(130), x, y, y, 0.9, None, 0.0, torch.zeros(3), 0)
+    with pytest.raises(RuntimeError, match="block_offset must be >= 0, got -1"):
+        bagua_lite.kernels.block_max_combine_(torch.zeros(3, dtype=torch.int32), x, -1)

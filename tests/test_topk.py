@@ -10,6 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import bagua_lite
 from bagua_lite import kernels
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -244,3 +245,78 @@ def test_out_buffers_validated():
         kernels.topk_out(x, 10, torch.empty(10), torch.empty(10, dtype=torch.int64))
     with pytest.raises(RuntimeError, match="values.*Float"):
         kernels.topk_out(x, 10, torch.empty(10, dtype=torch.float64), torch.empty(10, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------------------------------
+# Block maxima: topk_out(..., block_max) reads only the blocks that can hold the top k, and is exact
+# ------------------------------------------------------------------------------------------------------
+
+def block_bounds(x: torch.Tensor) -> torch.Tensor:
+    """The exact bound of every 64-element block: the largest magnitude key (float32 bits, sign cleared)."""
+    keys = x.reshape(-1).view(torch.int32) & 0x7FFFFFFF
+    pad = torch.zeros((keys.numel() + 63) // 64 * 64, dtype=torch.int32)
+    pad[:keys.numel()] = keys
+    return pad.view(-1, 64).amax(1)
+
+
+def _bounded(x, k, bounds):
+    v, i = torch.full((k + 1,), 3.0), torch.full((k + 1,), -7, dtype=torch.int32)
+    kernels.topk_out(x, k, v, i, bounds)
+    path = bagua_lite._C._topk_last_path()
+    assert int(i[k]) == -7, "wrote past k"
+    return v[:k], i[:k], path
+
+
+@pytest.mark.parametrize("data", ["heavy_tailed", "ties", "mostly_zero", "infinities"])
+@pytest.mark.parametrize("n,k", [(64 * 1000, 1), (64 * 1000 + 17, 250), (1 << 20, 1000), (1 << 20, 4096)])
+def test_block_max_selection_is_exact(data, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4
+    if data == "ties":  # many equal magnitudes, some of them at the k-th place
+        x[torch.randint(0, n, (3 * k,), generator=g)] = 2.5
+        x[torch.randint(0, n, (3 * k,), generator=g)] = -2.5
+    elif data == "mostly_zero":  # fewer non-zero blocks than k for small k ratios: the plain paths decide
+        x[torch.rand(n, generator=g) < 0.995] = 0.0
+    elif data == "infinities":
+        x[torch.randint(0, n, (5,), generator=g)] = float("inf")
+        x[7] = float("-inf")
+    ref = reference_indices(x, k)
+    exact = block_bounds(x)
+    # loose bounds (a stale slot, a writer that overestimated) cost speed, never exactness
+    loose = exact + torch.randint(0, 1 << 20, exact.shape, generator=g, dtype=torch.int32)
+    loose[torch.randint(0, exact.numel(), (k,), generator=g)] = 0x7FFFFFFF
+    for bounds in (exact, loose):
+        v, i, path = _bounded(x, k, bounds)
+        assert np.array_equal(i.long().numpy(), ref), (data, n, k)
+        assert torch.equal(bits(v), bits(x[i.long()]))
+    v, i, path = _bounded(x, k, exact)
+    nonzero_blocks = int((exact > 0).sum())
+    if data != "mostly_zero" or nonzero_blocks >= k:
+        assert path == 5, f"exact bounds should take the block-maxima path, took {path}"
+    wv, wi = kernels.topk(x, k)  # and it is what the plain selection returns
+    assert torch.equal(i, wi) and torch.equal(bits(v), bits(wv))
+
+
+def test_block_max_too_many_blocks_uses_plain_path():
+    x = torch.randn(64 * 100)
+    v, i, path = _bounded(x, 50, block_bounds(x))  # k > blocks / 4: the filter pass streams faster
+    assert path != 5 and np.array_equal(i.long().numpy(), reference_indices(x, 50))
+
+
+def test_block_max_nan_is_rejected():
+    x = torch.randn(1 << 18)
+    x[123_456] = float("nan")
+    bounds = block_bounds(x)  # a NaN's key is above every finite one: its block is read
+    with pytest.raises(RuntimeError, match=r"NaN at index 123456"):
+        _bounded(x, 100, bounds)
+
+
+def test_block_max_bad_arguments_named():
+    x = torch.randn(1000)
+    v, i = torch.empty(10), torch.empty(10, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"block_max must be .* ceil\(numel / 64\) = 16 slots, got Long"):
+        kernels.topk_out(x, 10, v, i, torch.zeros(16, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=r"16 slots, got Int .* with 15"):
+        kernels.topk_out(x, 10, v, i, torch.zeros(15, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"block_max is for float32 .* got x of Double"):
+        kernels.topk_out(x.double(), 10, v.double(), i, torch.zeros(16, dtype=torch.int32))

@@ -339,6 +339,38 @@ def _r_error_feedback_mass(rank, P):
     return out
 
 
+def _r_block_max_parity(rank, P):
+    """topk and gtopk with block maxima (the default) train exactly as with a selection over the whole
+    bucket, and their selections really take the block-maxima path."""
+    kern = bagua_lite.kernels
+    real, paths = kern.topk_out, []
+
+    def spy(x, k, values, indices, block_max=None):
+        real(x, k, values, indices, block_max)
+        paths.append(bagua_lite._C._topk_last_path() if block_max is not None else 0)
+
+    out = {}
+    kern.topk_out = spy
+    try:
+        for name, opts in (("topk", {"density": 0.003}), ("gtopk", {"density": 0.003, "warmup_densities": []})):
+            for use in (True, False):
+                net = _mlp()
+                opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+                algo = build(name, **opts)
+                algo.use_block_max = use
+                model = bagua_lite.DistributedModel(net, opt, algo, bucket_size_mb=0.01)
+                del paths[:]
+                for s in range(6):
+                    _step(model, opt, *_batch(rank, s))
+                out[(name, use)] = {"weights": _sha(_flat(net)),
+                                    "residuals": _sha(torch.cat([r.reshape(-1) for r in algo.residuals])),
+                                    "paths": sorted(set(paths)), "buckets": len(model.buckets)}
+                model.close()
+    finally:
+        kern.topk_out = real
+    return out
+
+
 def _r_layerwise(rank, P):
     """Per tensor: how many entries of its gradient the averaged sparse result holds after one step."""
     out = {}
@@ -485,6 +517,17 @@ def test_sparse_momentum_correction_at_density_one_is_ddp_with_momentum(clusters
         assert err["twice"] and "momentum would be applied twice" in err["twice"], err["twice"]
         assert err["nesterov"] and "nesterov=True" in err["nesterov"], err["nesterov"]
         assert err["dampening"] and "dampening=0.1" in err["dampening"], err["dampening"]
+
+
+@pytest.mark.parametrize("P", (1, 3), ids=lambda p: f"P{p}")
+def test_block_max_selection_trains_identically(clusters, P):
+    for r, out in enumerate(clusters.get(P).run(_r_block_max_parity, timeout=120)):
+        for name in ("topk", "gtopk"):
+            on, off = out[(name, True)], out[(name, False)]
+            assert on["buckets"] > 1, on  # several buckets, each with its own bounds
+            assert on["paths"] == [5], f"rank {r}, {name}: selections took paths {on['paths']}, not block maxima (5)"
+            assert off["paths"] == [0], off["paths"]
+            assert on["weights"] == off["weights"] and on["residuals"] == off["residuals"], (r, name)
 
 
 @pytest.mark.parametrize("P", WORLD, ids=lambda p: f"P{p}")

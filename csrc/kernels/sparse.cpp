@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 
 #include "common.h"
 
@@ -281,41 +282,136 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
   return bad == 0;
 }
 
-bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+namespace {
+// Block maxima (see sparse.h): block b of a bucket is its elements [64 b, 64 b + 64).
+BL_ALWAYS_INLINE uint32_t f32_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return bits;
+}
+BL_ALWAYS_INLINE uint32_t f32_key(float v) { return f32_bits(v) & 0x7FFFFFFFu; }
+// A block's bound from the float max of its |a| and an OR of its non-finite masks: the loops take a float
+// max (SSE2 has one; an unsigned integer max needs SSE4.1, and the build targets the baseline ISA). An
+// inf/NaN gives the largest key, so topk still sees (and rejects) a NaN.
+BL_ALWAYS_INLINE uint32_t bound_key(float max_abs, uint32_t nonfinite) {
+  return nonfinite ? 0x7FFFFFFFu : f32_key(max_abs);
+}
+
+struct BlockMax {
+  int32_t* bm = nullptr;  // null: no block maxima wanted
+  int64_t lo = 0;         // the slice's first element, as a bucket position
+};
+
+BlockMax check_block_max(const at::Tensor& bm, int64_t lo, const at::Tensor& out, const char* fn) {
+  if (!bm.defined()) return {};
+  TORCH_CHECK(bm.device().is_cpu() && bm.scalar_type() == at::kInt && bm.is_contiguous(), fn,
+              ": block_max must be a contiguous CPU int32 tensor, got ", bm.scalar_type(), " on ", bm.device());
+  TORCH_CHECK(fast_f32(out), fn, ": block_max needs a contiguous CPU float32 output, got ", out.scalar_type(), " on ",
+              out.device());
+  TORCH_CHECK(lo >= 0, fn, ": block_offset must be >= 0, got ", lo);
+  const int64_t need = (lo + out.numel() + kBlockMaxElems - 1) / kBlockMaxElems;
+  TORCH_CHECK(bm.numel() >= need, fn, ": block_max has ", bm.numel(), " blocks; elements [", lo, ", ",
+              lo + out.numel(), ") of the bucket need ", need, " (one per ", kBlockMaxElems, " elements)");
+  return {bm.data_ptr<int32_t>(), lo};
+}
+
+// Runs body(i0, len) over [0, n) in pieces that never cross a 64-element block of the bucket; body writes
+// elements [i0, i0 + len) and returns the bound of what it wrote (bound_key), which is max-combined into
+// the block's slot (a block shared with a neighbouring slice keeps both slices' maxima). A whole block gets
+// len as a compile-time constant (std::integral_constant): its loop becomes straight vector code without a
+// remainder. One loop over n with the max reduction in it took twice as long (momentum_add_checked over
+// 6.25M elements, cold: 11 ms, against 5.5 ms in blocks and 5.8 ms for the loop before bounds existed).
+// Without block maxima the pieces are the same and the bounds are dropped.
+using WholeBlock = std::integral_constant<int64_t, kBlockMaxElems>;
+template <class F>
+BL_ALWAYS_INLINE void blocked_pass(int64_t n, const BlockMax& out, F&& body) {
+  int32_t sink = 0;
+  int32_t* slot = out.bm ? out.bm + out.lo / kBlockMaxElems : &sink;
+  const int64_t step = out.bm ? 1 : 0;
+  auto put = [&](uint32_t bound) {
+    *slot = std::max(*slot, int32_t(bound));
+    slot += step;
+  };
+  int64_t i = 0;
+  const int64_t head = std::min(n, (kBlockMaxElems - out.lo % kBlockMaxElems) % kBlockMaxElems);
+  if (head > 0) {
+    put(body(i, head));
+    i = head;
+  }
+  for (; i + kBlockMaxElems <= n; i += kBlockMaxElems) put(body(i, WholeBlock{}));
+  if (i < n) put(body(i, n - i));
+}
+
+void combine_f32(const BlockMax& out, const float* p, int64_t n) {
+  blocked_pass(n, out, [&](int64_t i0, auto len) {
+    float mx = 0.0f;
+    uint32_t nf = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nf)
+    for (int64_t i = i0; i < i0 + int64_t(len); ++i) {
+      mx = std::max(mx, std::fabs(p[i]));
+      nf |= f32_nonfinite_mask(f32_bits(p[i]));
+    }
+    return bound_key(mx, nf);
+  });
+}
+}  // namespace
+
+void block_max_combine_(at::Tensor& bm, const at::Tensor& x, int64_t lo) {
+  combine_f32(check_block_max(bm, lo, x, "block_max_combine_"), x.const_data_ptr<float>(), x.numel());
+}
+
+bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& block_max,
+                 int64_t block_offset) {
   TORCH_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add_checked: sizes differ (out ", out.numel(),
               ", a ", a.numel(), ", b ", b.numel(), ")");
+  const BlockMax bmo = check_block_max(block_max, block_offset, out, "add_checked");
   if (fast_f32(out) && fast_f32(a) && fast_f32(b) && out.data_ptr() != a.data_ptr()) {
     // One pass: add and fold b's exponent bits into the check; on inf/NaN, out is redone as a copy of a.
     const float* x = a.const_data_ptr<float>();
     const float* y = b.const_data_ptr<float>();
     float* o = out.data_ptr<float>();
-    const int64_t n = out.numel();
     uint32_t bad = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, y + i, 4);
-      bad |= f32_nonfinite_mask(bits);
-      o[i] = x[i] + y[i];
-    }
+    blocked_pass(out.numel(), bmo, [&](int64_t i0, auto len) {
+      uint32_t bd = 0, nf = 0;
+      float mx = 0.0f;
+#pragma omp simd reduction(| : bd, nf) reduction(max : mx)
+      for (int64_t i = i0; i < i0 + int64_t(len); ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, y + i, 4);
+        bd |= f32_nonfinite_mask(bits);
+        const float v = x[i] + y[i];
+        o[i] = v;
+        mx = std::max(mx, std::fabs(v));
+        nf |= f32_nonfinite_mask(f32_bits(v));
+      }
+      bad |= bd;
+      return bound_key(mx, nf);
+    });
     if (bad == 0) return true;
-    out.copy_(a.view_as(out));
+    out.copy_(a.view_as(out));  // combined below too: a slot may now hold a key above a + b's
+    if (bmo.bm) combine_f32(bmo, o, out.numel());
     return false;
   }
+  bool ok = true;
   if (!all_finite(b)) {  // out may be a itself: check before writing
     if (out.data_ptr() != a.data_ptr()) out.copy_(a.view_as(out));
-    return false;
+    ok = false;
+  } else {
+    at::add_out(out, a.view_as(out), b.view_as(out));
   }
-  at::add_out(out, a.view_as(out), b.view_as(out));
-  return true;
+  if (bmo.bm) combine_f32(bmo, out.const_data_ptr<float>(), out.numel());
+  return ok;
 }
 
 bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
-                          const at::Tensor& g, double m, const at::Tensor& w, double wd) {
+                          const at::Tensor& g, double m, const at::Tensor& w, double wd, const at::Tensor& block_max,
+                          int64_t block_offset) {
   const int64_t n = u_out.numel();
   TORCH_CHECK(acc_out.numel() == n && u.numel() == n && residual.numel() == n && (!g.defined() || g.numel() == n) &&
                   (!w.defined() || w.numel() == n),
               "momentum_add_checked: sizes differ (u_out ", n, ", acc_out ", acc_out.numel(), ", u ", u.numel(),
               ", residual ", residual.numel(), ")");
+  const BlockMax bmo = check_block_max(block_max, block_offset, acc_out, "momentum_add_checked");
   const bool with_w = w.defined() && wd != 0.0;
   const bool fast = fast_f32(u_out) && fast_f32(acc_out) && fast_f32(u) && fast_f32(residual) &&
                     (!g.defined() || fast_f32(g)) && (!with_w || fast_f32(w)) && u_out.data_ptr() != u.data_ptr() &&
@@ -326,6 +422,7 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
     if (ok && g.defined()) u_out.add_(g.view_as(u_out));
     if (ok && g.defined() && with_w) u_out.add_(w.view_as(u_out), wd);
     at::add_out(acc_out, residual.view_as(acc_out), u_out);
+    if (bmo.bm) combine_f32(bmo, acc_out.const_data_ptr<float>(), n);
     return ok;
   }
   const float mf = static_cast<float>(m), wf = static_cast<float>(wd);
@@ -334,36 +431,62 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
   float* uo = u_out.data_ptr<float>();
   float* ao = acc_out.data_ptr<float>();
   if (g.defined()) {
-    // One pass: u' = m u + g (+ wd w), acc = residual + u', folding g's exponent bits into the check.
+    // One pass: u' = m u + g (+ wd w), acc = residual + u', folding g's exponent bits into the check and
+    // acc's magnitudes into the block maxima.
     const float* gp = g.const_data_ptr<float>();
+    const float* wp = with_w ? w.const_data_ptr<float>() : nullptr;
     uint32_t bad = 0;
-    if (with_w) {
-      const float* wp = w.const_data_ptr<float>();
-      for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, gp + i, 4);
-        bad |= f32_nonfinite_mask(bits);
-        const float v = mf * up[i] + gp[i] + wf * wp[i];
-        uo[i] = v;
-        ao[i] = rp[i] + v;
+    blocked_pass(n, bmo, [&](int64_t i0, auto len) {
+      uint32_t bd = 0, nf = 0;
+      float mx = 0.0f;
+      if (wp) {
+#pragma omp simd reduction(| : bd, nf) reduction(max : mx)
+        for (int64_t i = i0; i < i0 + int64_t(len); ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, gp + i, 4);
+          bd |= f32_nonfinite_mask(bits);
+          const float v = mf * up[i] + gp[i] + wf * wp[i];
+          uo[i] = v;
+          const float a = rp[i] + v;
+          ao[i] = a;
+          mx = std::max(mx, std::fabs(a));
+          nf |= f32_nonfinite_mask(f32_bits(a));
+        }
+      } else {
+#pragma omp simd reduction(| : bd, nf) reduction(max : mx)
+        for (int64_t i = i0; i < i0 + int64_t(len); ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, gp + i, 4);
+          bd |= f32_nonfinite_mask(bits);
+          const float v = mf * up[i] + gp[i];
+          uo[i] = v;
+          const float a = rp[i] + v;
+          ao[i] = a;
+          mx = std::max(mx, std::fabs(a));
+          nf |= f32_nonfinite_mask(f32_bits(a));
+        }
       }
-    } else {
-      for (int64_t i = 0; i < n; ++i) {
-        uint32_t bits;
-        std::memcpy(&bits, gp + i, 4);
-        bad |= f32_nonfinite_mask(bits);
-        const float v = mf * up[i] + gp[i];
-        uo[i] = v;
-        ao[i] = rp[i] + v;
-      }
-    }
+      bad |= bd;
+      return bound_key(mx, nf);
+    });
     if (bad == 0) return true;
   }
-  for (int64_t i = 0; i < n; ++i) {  // no gradient, or a non-finite one: the momentum decays, nothing is added
-    const float v = mf * up[i];
-    uo[i] = v;
-    ao[i] = rp[i] + v;
-  }
+  // No gradient, or a non-finite one: the momentum decays, nothing is added (maxima from a first pass over
+  // a non-finite g only make the bounds larger, which keeps them upper bounds).
+  blocked_pass(n, bmo, [&](int64_t i0, auto len) {
+    float mx = 0.0f;
+    uint32_t nf = 0;
+#pragma omp simd reduction(max : mx) reduction(| : nf)
+    for (int64_t i = i0; i < i0 + int64_t(len); ++i) {
+      const float v = mf * up[i];
+      uo[i] = v;
+      const float a = rp[i] + v;
+      ao[i] = a;
+      mx = std::max(mx, std::fabs(a));
+      nf |= f32_nonfinite_mask(f32_bits(a));
+    }
+    return bound_key(mx, nf);
+  });
   return !g.defined();
 }
 

@@ -40,13 +40,25 @@ bool all_finite(const at::Tensor& x);
 // dst = src * scale in one pass (src may be dst itself; src undefined: dst = 0) and whether src was all
 // finite. Used where a gradient goes into its bucket slot anyway, so the check costs no extra pass.
 bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale);
+// Block maxima, for kernels::topk_out's block_max: an int32 tensor with one slot per 64 elements of a bucket
+// (slot b covers bucket positions [64 b, 64 b + 64)). Writers given one (block_max and block_offset, the
+// position of their output's first element in the bucket) max-combine the magnitude key of every element
+// they write (its float32 bits with the sign cleared) into the slots: after zeroing the slots and writing
+// every element of a bucket, each slot holds its block's largest key.
+constexpr int64_t kBlockMaxElems = 64;
+// Max-combines the keys of x (contiguous float32, bucket positions [lo, lo + numel)) into bm.
+void block_max_combine_(at::Tensor& bm, const at::Tensor& x, int64_t lo);
+
 // out = a + b when b is all finite (returns true); otherwise out = a and returns false. out may alias a.
-bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& block_max = {},
+                 int64_t block_offset = 0);
 // Momentum correction and error feedback in one pass: u_out = m u + g (+ wd w), acc_out = residual + u_out,
 // and whether g was all finite. g undefined or non-finite: u_out = m u, acc_out = residual + u_out (g is
 // left out; returns false if g was given). u_out must not alias u, nor acc_out residual (double buffers).
+// With block_max, acc_out's keys are combined into it in the same pass.
 bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
-                          const at::Tensor& g, double m, const at::Tensor& w, double wd);
+                          const at::Tensor& g, double m, const at::Tensor& w, double wd,
+                          const at::Tensor& block_max = {}, int64_t block_offset = 0);
 
 // SGD's plain update (no momentum, no decay: the caller applied those) at the entries a sparse result
 // wrote, instead of a pass over every weight: for each distinct i in indices (int32 bucket positions,

@@ -21,6 +21,10 @@
 //     per-part histograms). As soon as the keys at or above the current bucket are few enough it
 //     switches to "filter with that exact bound, then select among candidates".
 //
+//  0. With block maxima (float32, topk_out's block_max: upper bounds on each 64-element block's keys, left
+//     by the pass that wrote x): t is the k-th largest bound, only blocks with a bound >= t are read, and
+//     step 3 runs on what they hold. If fewer than k keys are >= t (the bounds were loose), steps 1-4.
+//
 // Correctness never depends on the sample: the sample only decides which exact path runs.
 // The threshold is clamped to kInf + 1, so every NaN is always a candidate (or is seen by the first
 // histogram pass of the fallback); the NaN check is therefore free on every path.
@@ -40,9 +44,11 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
+#include "kernels/sparse.h"
 
 namespace bagua_lite {
 namespace kernels {
@@ -51,7 +57,7 @@ namespace detail {
 // Test hooks, not part of the public interface (the C++ tests declare them themselves):
 //  * topk_out_aten: the implementation used for non-CPU tensors, exercised by the tests on CPU.
 //  * topk_last_path: which CPU path the calling thread's last topk call took (see TopkPath).
-enum TopkPath : int { kPathTrivial = 1, kPathFast = 2, kPathFallbackFull = 3, kPathFallbackNarrowed = 4 };
+enum TopkPath : int { kPathTrivial = 1, kPathFast = 2, kPathFallbackFull = 3, kPathFallbackNarrowed = 4, kPathBlockMax = 5 };
 void topk_out_aten(const at::Tensor& x, int64_t k, at::Tensor& values, at::Tensor& indices);
 int topk_last_path();
 static thread_local int g_last_path = 0;
@@ -161,7 +167,7 @@ struct Scratch {
   Buf<uint16_t> keys16, sample16;
   Buf<uint32_t> keys32, sample32;
   Buf<uint64_t> keys64, sample64;
-  Buf<int32_t> idx;
+  Buf<int32_t> idx, blocks;
   Buf<uint32_t> hist;
 
   template <class Key>
@@ -183,6 +189,7 @@ struct Scratch {
     if (keys32.bytes() > kKeepBytes) keys32.release();
     if (keys64.bytes() > kKeepBytes) keys64.release();
     if (idx.bytes() > kKeepBytes) idx.release();
+    if (blocks.bytes() > kKeepBytes) blocks.release();
   }
 };
 
@@ -651,8 +658,80 @@ bool tensor_has_nan(const Raw* raw, const Parts& parts, Key inf) {
 
 constexpr int64_t kFastPathMinN = int64_t(1) << 16;
 
+// Block-maxima path: bm[b] >= the largest key of elements [64 b, 64 b + 64) (an upper bound, as the
+// writers in sparse.h leave it). With t the k-th largest bound, every element of the top k lies in a block
+// whose bound is >= t, or else count(key >= t) < k, which is checked. So only the blocks with bound >= t
+// (about k of them) are read: for a density of 0.001 about 6% of x, instead of all of it. Returns false
+// (nothing written) where that does not pay or the bounds were loose (count(key >= t) < k).
+bool topk_block_max(const float* xv, int64_t n, int64_t k, const int32_t* bm, float* out_v, int32_t* out_i,
+                    Scratch& s) {
+  using Key = uint32_t;
+  using Raw = RawBits<Key>;
+  constexpr int64_t B = kBlockMaxElems, SB = kSubBlock<Key>;
+  static_assert(kBlockMaxElems == kBlock<Key>, "a block of bounds is a filter block");
+  constexpr Key kInf = KeyTraits<float>::kInf;
+  const int64_t nb = (n + B - 1) / B;
+  if (k * 4 > nb) return false;  // many blocks would qualify: the plain filter pass streams them faster
+  // t: the k-th largest bound (its radix bucket's floor), found by the same radix select as the keys.
+  Parts one;
+  one.count = 1;
+  one.bounds[0] = 0;
+  one.bounds[1] = nb;
+  const auto* bounds = reinterpret_cast<const Raw*>(bm);  // non-negative int32: the same order as uint32
+  uint32_t* hist = s.hist.get(size_t(kHistStride));
+  Selection<Key> sel;
+  radix_select<Key>(TensorSource<Key, Raw>{bounds, &one}, one, k, Key(0x7FFFFFFFu), nb, 0, hist, s.sample<Key>(), sel);
+  const Key t = std::min<Key>(sel.lo, Key(kInf + 1));  // every NaN stays a candidate
+  if (t == 0) return false;  // fewer than k non-zero blocks: a bound of 0 selects everything
+  // The blocks to read, in index order.
+  int32_t* blocks = s.blocks.get(size_t(nb));
+  int64_t nsel = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    blocks[nsel] = int32_t(b);
+    nsel += bounds[b].bits >= t;
+  }
+  Key* keys = s.keys<Key>().get(size_t(nsel * B));
+  int32_t* idx = s.idx.get(size_t(nsel * B));
+  const auto* raw = reinterpret_cast<const Raw*>(xv);
+  const Key tm1 = Key(t - 1);
+  int64_t cnt = 0;
+  for (int64_t j = 0; j < nsel; ++j) {
+    if (j + 8 < nsel) {  // the blocks are scattered: fetch the one 8 ahead (4 cache lines)
+      const char* ahead = reinterpret_cast<const char*>(raw + int64_t(blocks[j + 8]) * B);
+      for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + 64 * l);
+    }
+    const int64_t lo = int64_t(blocks[j]) * B;
+    if (lo + B <= n) {  // a sub-block without a hit (most of them) costs one vector test
+      for (int64_t sb = lo; sb < lo + B; sb += SB) {
+        if (!any_ge<SB>(raw + sb, tm1)) continue;
+        for (int64_t i = sb; i < sb + SB; ++i) {  // branchless append: slots past cnt are scratch
+          const Key bits = raw[i].bits;
+          keys[cnt] = bits;
+          idx[cnt] = int32_t(i);
+          cnt += Key(bits & kMagMask<Key>) >= t;
+        }
+      }
+    } else {
+      for (int64_t i = lo; i < n; ++i) {
+        const Key bits = raw[i].bits;
+        keys[cnt] = bits;
+        idx[cnt] = int32_t(i);
+        cnt += Key(bits & kMagMask<Key>) >= t;
+      }
+    }
+  }
+  if (cnt < k) return false;  // loose bounds (stale slots): the exact paths decide
+  one.bounds[1] = n;
+  int64_t offset[1] = {0}, count[1] = {cnt};
+  CandidateSource<Key> cand{keys, idx, offset, count};
+  radix_select<Key>(cand, one, k, kInf, n, 0, hist, s.sample<Key>(), sel);
+  collect_candidates<Key>(cand, one, sel, reinterpret_cast<RawBits<Key>*>(out_v), out_i);
+  detail::g_last_path = detail::kPathBlockMax;
+  return true;
+}
+
 template <class scalar_t>
-void topk_cpu(const at::Tensor& x, int64_t k, scalar_t* out_v, int32_t* out_i) {
+void topk_cpu(const at::Tensor& x, int64_t k, scalar_t* out_v, int32_t* out_i, const int32_t* block_max) {
   using Tr = KeyTraits<scalar_t>;
   using Key = typename Tr::Key;
   using Raw = typename Tr::Raw;
@@ -686,6 +765,10 @@ void topk_cpu(const at::Tensor& x, int64_t k, scalar_t* out_v, int32_t* out_i) {
       }
     }
     return;
+  }
+
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (block_max != nullptr && topk_block_max(xv, n, k, block_max, out_v, out_i, s)) return;
   }
 
   uint32_t* hist = s.hist.get(size_t(P * kHistStride));
@@ -812,16 +895,27 @@ void topk_out_aten(const at::Tensor& x, int64_t k, at::Tensor& values, at::Tenso
 
 }  // namespace detail
 
-void topk_out(const at::Tensor& x, int64_t k, at::Tensor& values, at::Tensor& indices) {
+void topk_out(const at::Tensor& x, int64_t k, at::Tensor& values, at::Tensor& indices, const at::Tensor& block_max) {
   check_input(x, k);
   check_output(x, k, values, x.scalar_type(), "values");
   check_output(x, k, indices, at::kInt, "indices");
+  const int32_t* bm = nullptr;
+  if (block_max.defined()) {
+    const int64_t nb = (x.numel() + kBlockMaxElems - 1) / kBlockMaxElems;
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, kFn,
+                ": block_max is for float32 tensors on the CPU, got x of ", x.scalar_type(), " on ", x.device());
+    TORCH_CHECK(block_max.device().is_cpu() && block_max.scalar_type() == at::kInt && block_max.is_contiguous() &&
+                    block_max.numel() == nb,
+                kFn, ": block_max must be a contiguous CPU int32 tensor of ceil(numel / ", kBlockMaxElems, ") = ", nb,
+                " slots, got ", block_max.scalar_type(), " on ", block_max.device(), " with ", block_max.numel());
+    bm = block_max.const_data_ptr<int32_t>();
+  }
   if (!x.device().is_cpu()) {
     detail::topk_out_aten(x, k, values, indices);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "bagua_lite_topk", [&] {
-    topk_cpu<scalar_t>(x, k, values.data_ptr<scalar_t>(), indices.data_ptr<int32_t>());
+    topk_cpu<scalar_t>(x, k, values.data_ptr<scalar_t>(), indices.data_ptr<int32_t>(), bm);
   });
 }
 
