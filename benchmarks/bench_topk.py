@@ -2,6 +2,8 @@
 
 For each configuration prints the median wall time of
   * ours:        bagua_lite.kernels.topk(x, k)   (and topk_out into preallocated buffers)
+  * block_max:   topk_out given x's block maxima (float32; as topk/gtopk's error-feedback pass leaves them,
+                 computed here before timing): reads only the blocks that can hold the top k
   * torch.topk:  torch.topk(x.abs(), k)          (the obvious baseline: one abs pass + a partial sort)
   * x.sum():     one read pass over x            (a lower bound for anything that reads x once)
 and the ratios "speed-up vs torch.topk" (torch.topk / ours) and "ratio vs x.sum()" (ours / sum).
@@ -55,15 +57,21 @@ def bench(kind, n, k, dtype, repeats, with_torch=True):
     values = torch.empty(k, dtype=dtype)
     indices = torch.empty(k, dtype=torch.int32)
 
-    ours, ours_out, total = median_ms(
-        [lambda: kernels.topk(x, k), lambda: kernels.topk_out(x, k, values, indices), lambda: x.sum()], repeats)
+    fns = [lambda: kernels.topk(x, k), lambda: kernels.topk_out(x, k, values, indices), lambda: x.sum()]
+    if dtype == torch.float32:
+        bounds = kernels.block_max_combine_(torch.zeros((n + 63) // 64, dtype=torch.int32), x)
+        fns.append(lambda: kernels.topk_out(x, k, values, indices, bounds))
+    ours, ours_out, total, *bounded = median_ms(fns, repeats)
     ref = median_ms([lambda: torch.topk(x.abs(), k)], max(3, repeats // 2), warmup=1)[0] if with_torch else float("nan")
 
     # Sanity (not timing): same selection as torch.topk as a set of magnitudes.
     v, i = kernels.topk(x, k)
     assert torch.equal(x[i.long()], v)
+    if bounded:
+        kernels.topk_out(x, k, values, indices, bounds)
+        assert torch.equal(indices, i) and torch.equal(values, v)
     return dict(kind=kind, n=n, k=k, dtype=str(dtype).replace("torch.", ""), ours=ours, ours_out=ours_out,
-                topk=ref, sum=total)
+                topk=ref, sum=total, block_max=bounded[0] if bounded else None)
 
 
 def report(row):
@@ -71,7 +79,9 @@ def report(row):
     vs_sum = row["ours"] / row["sum"]
     print(f"{row['kind']:>9} {row['dtype']:>8} n={row['n']:>10,} k={row['k']:>9,} | "
           f"ours {row['ours']:8.2f} ms  (topk_out {row['ours_out']:8.2f})  torch.topk {row['topk']:9.2f} ms  "
-          f"x.sum() {row['sum']:7.2f} ms | speed-up vs torch.topk {speedup:7.1f}x  ratio vs x.sum() {vs_sum:5.2f}",
+          f"x.sum() {row['sum']:7.2f} ms | speed-up vs torch.topk {speedup:7.1f}x  ratio vs x.sum() {vs_sum:5.2f}"
+          + (f" | block_max {row['block_max']:7.2f} ms ({row['ours_out'] / row['block_max']:.1f}x topk_out)"
+             if row["block_max"] is not None else ""),
           flush=True)
 
 

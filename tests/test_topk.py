@@ -289,9 +289,13 @@ def test_block_max_selection_is_exact(data, n, k):
         v, i, path = _bounded(x, k, bounds)
         assert np.array_equal(i.long().numpy(), ref), (data, n, k)
         assert torch.equal(bits(v), bits(x[i.long()]))
-    v, i, path = _bounded(x, k, exact)
-    nonzero_blocks = int((exact > 0).sum())
-    if data != "mostly_zero" or nonzero_blocks >= k:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the path is serial: with more threads it yields to the plain pass sooner
+    try:
+        v, i, path = _bounded(x, k, exact)
+    finally:
+        torch.set_num_threads(threads)
+    if data != "mostly_zero":
         assert path == 5, f"exact bounds should take the block-maxima path, took {path}"
     wv, wi = kernels.topk(x, k)  # and it is what the plain selection returns
     assert torch.equal(i, wi) and torch.equal(bits(v), bits(wv))
@@ -301,6 +305,12 @@ def test_block_max_too_many_blocks_uses_plain_path():
     x = torch.randn(64 * 100)
     v, i, path = _bounded(x, 50, block_bounds(x))  # k > blocks / 4: the filter pass streams faster
     assert path != 5 and np.array_equal(i.long().numpy(), reference_indices(x, 50))
+
+
+def test_block_max_all_equal_uses_plain_path():
+    x = torch.ones(1 << 20)  # every block's bound is the k-th largest: reading them all is the plain pass
+    v, i, path = _bounded(x, 1000, block_bounds(x))
+    assert path != 5 and torch.equal(i, torch.arange(1000, dtype=torch.int32)) and bool((v == 1).all())
 
 
 def test_block_max_nan_is_rejected():

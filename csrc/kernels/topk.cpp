@@ -690,8 +690,16 @@ bool topk_block_max(const float* xv, int64_t n, int64_t k, const int32_t* bm, fl
     blocks[nsel] = int32_t(b);
     nsel += bounds[b].bits >= t;
   }
-  Key* keys = s.keys<Key>().get(size_t(nsel * B));
-  int32_t* idx = s.idx.get(size_t(nsel * B));
+  // This path runs on the calling thread; the plain filter pass splits x over the threads. Go on only if
+  // its serial work (the bounds, the blocks to read) is below one thread's share of the plain pass: not
+  // for ties over most blocks (all-equal input: every block qualifies), nor with many threads.
+  const int64_t threads = at::in_parallel_region() ? 1 : std::max<int64_t>(1, at::get_num_threads());
+  if ((nb + nsel * B) * threads > n) return false;
+  // Candidates beyond this mean t fell far below the k-th key (many large entries per block, e.g. sorted
+  // input): stop and let the plain paths decide.
+  const int64_t cap = std::min(nsel * B, 8 * k + 4096);
+  Key* keys = s.keys<Key>().get(size_t(cap + B));
+  int32_t* idx = s.idx.get(size_t(cap + B));
   const auto* raw = reinterpret_cast<const Raw*>(xv);
   const Key tm1 = Key(t - 1);
   int64_t cnt = 0;
@@ -700,6 +708,7 @@ bool topk_block_max(const float* xv, int64_t n, int64_t k, const int32_t* bm, fl
       const char* ahead = reinterpret_cast<const char*>(raw + int64_t(blocks[j + 8]) * B);
       for (int l = 0; l < 4; ++l) __builtin_prefetch(ahead + 64 * l);
     }
+    if (cnt > cap) return false;
     const int64_t lo = int64_t(blocks[j]) * B;
     if (lo + B <= n) {  // a sub-block without a hit (most of them) costs one vector test
       for (int64_t sb = lo; sb < lo + B; sb += SB) {
@@ -720,7 +729,7 @@ bool topk_block_max(const float* xv, int64_t n, int64_t k, const int32_t* bm, fl
       }
     }
   }
-  if (cnt < k) return false;  // loose bounds (stale slots): the exact paths decide
+  if (cnt < k || cnt > cap) return false;  // loose bounds (stale slots), or too many: the exact paths decide
   one.bounds[1] = n;
   int64_t offset[1] = {0}, count[1] = {cnt};
   CandidateSource<Key> cand{keys, idx, offset, count};
