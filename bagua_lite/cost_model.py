@@ -53,7 +53,8 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
 ``topk``               TopKAllReduce (csrc/collectives/sparse_allreduce.cpp): k is the same on every
                        rank, so one allgather of [k, dtype as 2 int64][k values][k int32] (no size
                        exchange first): (P-1) (16 + k (e + 4)) bytes, (P-1) alpha. Local: topk
-                       select (n * topk) + error-feedback add and zero of the dense output
+                       select (n * topk; n * topk_bounded where the selection has block maxima,
+                       density <= 1/256 and not layerwise) + error-feedback add and zero of the dense output
                        (2 n * add) + scatter of the P k pre-divided pairs (P k * add).
 ``gtopk``              recursive doubling (csrc/collectives/gtopk_allreduce.cpp), message k (e + 4):
                        L swaps (send and receive at once: alpha + k (e + 4) beta each); if P != P',
@@ -264,6 +265,8 @@ class Machine:
     sign_s_per_elem: float = 0.0      # sign compress + decompress (0: taken as minmax_uint8's)
     round_s: float = 0.0              # our synchronous round's fixed cost beyond alpha (agreement, hand-offs;
     #                                   auto measures it in its probe; 0: none)
+    topk_bounded_s_per_elem: float = 0.0  # kernels.topk_out given block maxima, per element of x (topk/gtopk's
+    #                                   selection at density <= 1/256; 0: taken as topk's)
 
 
 @dataclass
@@ -403,6 +406,9 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
 
     k = max(1, numel // 1000)
     topk = med(lambda: kernels.topk(x, k)) / numel
+    bounds = kernels.block_max_combine_(torch.zeros((numel + 63) // 64, dtype=torch.int32), x)
+    kv, ki = torch.empty(k), torch.empty(k, dtype=torch.int32)
+    bounded = med(lambda: kernels.topk_out(x, k, kv, ki, bounds)) / numel
     quant = med(lambda: kernels.decompress(kernels.compress(x, "minmax_uint8"), "minmax_uint8", numel)) / numel
     fp16 = med(lambda: kernels.decompress(kernels.compress(x, "fp16"), "fp16", numel)) / numel
     bf16 = med(lambda: kernels.decompress(kernels.compress(x, "bf16"), "bf16", numel)) / numel
@@ -418,7 +424,7 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
     matmul = med(lambda: M @ Q) / (2.0 * side * side * 4)
     return Machine(topk_s_per_elem=topk, quantize_s_per_elem=quant, fp16_s_per_elem=fp16, add_s_per_elem=add,
                    merge_s_per_elem=merge, matmul_s_per_flop=matmul, cores_per_rank=cores_per_rank(),
-                   bf16_s_per_elem=bf16, sign_s_per_elem=sign)
+                   bf16_s_per_elem=bf16, sign_s_per_elem=sign, topk_bounded_s_per_elem=bounded)
 
 
 # ---- traffic ---------------------------------------------------------------------------------------------------
@@ -756,7 +762,10 @@ def _local_s(name, options, P, n, machine, index=None):
     if name in ("topk", "gtopk"):
         k = _k(options.get("density", 0.001), n)
         mc = 0.0 if options.get("momentum_correction") == 0 else n * add  # default: the optimizer's momentum
-        base = n * topk + 2 * n * add + mc  # acc += g; dense output zeroed (the average divides k values)
+        # the selection reads only the blocks that can hold the top k where it has block maxima (one
+        # selection per bucket, k at most a quarter of its 64-element blocks; algorithms/_sparse.py)
+        bounded = machine.topk_bounded_s_per_elem and not options.get("layerwise") and 4 * k <= -(-n // 64)
+        base = n * (machine.topk_bounded_s_per_elem if bounded else topk) + 2 * n * add + mc  # acc += g; output zeroed
         if name == "topk":
             return base + P * k * add
         core = _core(P)
