@@ -1058,3 +1058,18 @@ def test_host_local_transfers_do_not_hide_on_shared_cores():
     roomy = dataclasses.replace(MACHINE, cores_per_rank=4.0)
     assert cm.predict("ddp", {}, 4, WORK, dataclasses.replace(fast, host_local=True), roomy) == \
         cm.predict("ddp", {}, 4, WORK, fast, roomy)
+
+
+def test_topk_selection_cost_with_block_maxima():
+    """Where the algorithm has block maxima (density <= 1/256, one selection per bucket), its selection
+    costs topk_bounded_s_per_elem per element; elsewhere (layerwise, dense densities) topk_s_per_elem."""
+    import dataclasses
+    net = cm.Network(1e-4, 1e-9)
+    bounded = dataclasses.replace(MACHINE, topk_bounded_s_per_elem=0.5e-9)
+    n = WORK.numel
+    for name in ("topk", "gtopk"):
+        sel = lambda m, **o: cm.predict(name, {"density": 0.001, **o}, 4, WORK, net, m)["compression_s"]  # noqa: E731
+        assert sel(MACHINE) - sel(bounded) == pytest.approx(n * (2e-9 - 0.5e-9), rel=1e-6), name
+        assert sel(MACHINE, layerwise=True) == pytest.approx(sel(bounded, layerwise=True)), name
+        dense = lambda m: cm.predict(name, {"density": 0.05}, 4, WORK, net, m)["compression_s"]  # noqa: E731
+        assert dense(MACHINE) == pytest.approx(dense(bounded)), name  # 4k > blocks: the plain selection
