@@ -6,12 +6,12 @@ Per bucket and step (flat gradient g of n elements, k = density * n):
                                                                                                   produces it
     V, I <- topk(acc, k)         (one selection over the bucket; ``layerwise=True``: k_i = density * n_i
                                   per tensor, at least 1; the rest runs on the engine thread)
+    aggregate(V, I, acc, g)      (the subclass: how the selection travels; writes the average into g
+                                  and removes what was sent from acc, which becomes the residual)
 
 The pass that writes acc also leaves the largest magnitude of every 64 entries (block maxima), so the
 selection reads only the ~k blocks that can hold the top k, not the whole bucket: exactly the same
 selection (mlp25m, P = 4, loopback: topk's selections took 9-10 ms of CPU per rank and step, now 2.6-2.8).
-    aggregate(V, I, acc, g)      (the subclass: how the selection travels; writes the average into g
-                                  and removes what was sent from acc, which becomes the residual)
 
 Momentum correction (Lin et al., DGC, ICLR'18) is on by default: with ``torch.optim.SGD`` and momentum m,
 the momentum (and the weight decay) are applied here, before the selection, and the optimizer's own are

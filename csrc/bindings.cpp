@@ -102,8 +102,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_topk_last_path", &kern::detail::topk_last_path,
         "test hook: which CPU path this thread's last topk took (1 trivial, 2 sampled threshold, 3/4 exact "
         "fallbacks, 5 block maxima)");
-  m.def("block_max_combine_", [](at::Tensor bm, const at::Tensor& x, int64_t lo) { kern::block_max_combine_(bm, x, lo); },
-        py::arg("block_max"), py::arg("x"), py::arg("block_offset"), release());
+  m.def(
+      "block_max_combine_", [](at::Tensor bm, const at::Tensor& x, int64_t lo) { kern::block_max_combine_(bm, x, lo); },
+      py::arg("block_max"), py::arg("x"), py::arg("block_offset"), release());
   m.def(
       "momentum_add_checked",
       [](at::Tensor u_out, at::Tensor acc_out, const at::Tensor& u, const at::Tensor& residual,

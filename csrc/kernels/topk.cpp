@@ -57,7 +57,13 @@ namespace detail {
 // Test hooks, not part of the public interface (the C++ tests declare them themselves):
 //  * topk_out_aten: the implementation used for non-CPU tensors, exercised by the tests on CPU.
 //  * topk_last_path: which CPU path the calling thread's last topk call took (see TopkPath).
-enum TopkPath : int { kPathTrivial = 1, kPathFast = 2, kPathFallbackFull = 3, kPathFallbackNarrowed = 4, kPathBlockMax = 5 };
+enum TopkPath : int {
+  kPathTrivial = 1,
+  kPathFast = 2,
+  kPathFallbackFull = 3,
+  kPathFallbackNarrowed = 4,
+  kPathBlockMax = 5
+};
 void topk_out_aten(const at::Tensor& x, int64_t k, at::Tensor& values, at::Tensor& indices);
 int topk_last_path();
 static thread_local int g_last_path = 0;
