@@ -44,12 +44,15 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale);
 // (slot b covers bucket positions [64 b, 64 b + 64)). Writers given one (block_max and block_offset, the
 // position of their output's first element in the bucket) max-combine the magnitude key of every element
 // they write (its float32 bits with the sign cleared) into the slots: after zeroing the slots and writing
-// every element of a bucket, each slot holds its block's largest key.
+// every element of a bucket, each slot holds its block's largest key (0x7FFFFFFF, above every key, for a
+// block holding an inf or NaN). A writer whose first pass is redone (a non-finite g) may leave a slot
+// higher than that, never lower: the slots stay upper bounds.
 constexpr int64_t kBlockMaxElems = 64;
 // Max-combines the keys of x (contiguous float32, bucket positions [lo, lo + numel)) into bm.
 void block_max_combine_(at::Tensor& bm, const at::Tensor& x, int64_t lo);
 
 // out = a + b when b is all finite (returns true); otherwise out = a and returns false. out may alias a.
+// With block_max, out's keys are combined into it (out must then be contiguous float32).
 bool add_checked(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& block_max = {},
                  int64_t block_offset = 0);
 // Momentum correction and error feedback in one pass: u_out = m u + g (+ wd w), acc_out = residual + u_out,
