@@ -8,6 +8,7 @@ import torch
 
 import bagua_lite
 from bagua_lite import kernels as K
+from test_topk import block_bounds  # the exact block maxima, the reference for the writers too
 
 FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -481,12 +482,6 @@ def test_sparse_sgd_step_rejects_bad_arguments():
 
 
 # ---- block maxima: the error-feedback writers leave per-64-element bounds for topk_out(block_max=...)
-def _bounds_of(x):
-    keys = x.reshape(-1).view(torch.int32) & 0x7FFFFFFF
-    pad = torch.zeros((keys.numel() + 63) // 64 * 64, dtype=torch.int32)
-    pad[:keys.numel()] = keys
-    return pad.view(-1, 64).amax(1)
-
 
 @pytest.mark.parametrize("writer", ["momentum", "momentum_decay", "momentum_no_grad", "momentum_nan_grad", "add",
                                     "add_nan", "add_strided", "combine"])
@@ -526,7 +521,7 @@ def test_block_max_writers(writer):
     assert torch.equal(got_acc, want_acc)
     if writer.startswith("momentum"):
         assert torch.equal(got_u, want_u)
-    exact = _bounds_of(want_acc)
+    exact = block_bounds(want_acc)
     assert bool((bm >= exact).all()), "a bound below its block's largest key"
     raised = torch.nonzero(bm != exact).flatten().tolist()
     assert raised == ([1] if "nan" in writer else []), raised

@@ -716,6 +716,8 @@ bool topk_block_max(const float* xv, int64_t n, int64_t k, const int32_t* bm, fl
     }
     if (cnt > cap) return false;
     const int64_t lo = int64_t(blocks[j]) * B;
+    // filter_range over one block does the same, but its streaming prefetch (8 KiB ahead) is wasted on
+    // scattered blocks: calling it here measured 10% slower (6.25M entries, k = 6,250, one thread).
     if (lo + B <= n) {  // a sub-block without a hit (most of them) costs one vector test
       for (int64_t sb = lo; sb < lo + B; sb += SB) {
         if (!any_ge<SB>(raw + sb, tm1)) continue;
