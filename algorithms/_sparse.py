@@ -43,6 +43,7 @@ import torch
 from bagua_lite import _C, kernels
 from bagua_lite.algorithm import Algorithm
 
+_SAMPLE = 64  # written entries compared to see that .grad was not rescaled between backward and step
 OPTIMIZER = "optimizer"  # momentum_correction's default (None means it too): the optimizer's momentum and decay
 
 
@@ -124,6 +125,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._written = [None] * len(model.buckets)
         # sparse optimizer step: what the committed round left in the buckets (see _sparse_step)
         self._committed = None  # [(flat version, the .grad objects)] per bucket, or None
+        self._sample = [None] * len(model.buckets)  # the first written entries' values at the commit
         self._hidden = []       # (param, its .grad) set aside during the optimizer's step
 
     def _resolve_momentum(self, model):
@@ -158,8 +160,6 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._group = [[group_of.get(id(p)) for p in b.params] for b in model.buckets]
         self._mc = bool(self._suspended) if mc == OPTIMIZER else mc > 0
         self._saved = None
-        self._hooks = ([opt.register_step_pre_hook(self._suspend), opt.register_step_post_hook(self._restore)]
-                       if self._suspended else [])
 
     def _momentum_and_decay(self, bucket, position):
         if self.momentum_correction != OPTIMIZER:
@@ -170,15 +170,42 @@ class ErrorFeedbackSparsifier(Algorithm):
         g = self.model.optimizer.param_groups[i]
         return g["momentum"], g["weight_decay"]
 
-    def _suspend(self, opt, *_):
-        """Step pre-hook: the optimizer applies the (already corrected) update without momentum or decay,
-        and for the parameters whose sparse result is untouched, not at all: ``_sparse_step`` did it."""
-        self._restore(opt)  # a step that raised after the last suspend (its post hook never ran)
+    def before_step(self):
+        """The optimizer applies the (already corrected) update without momentum or decay, and for the
+        parameters whose sparse result is untouched, not at all: ``_sparse_step`` did it."""
+        opt = self.model.optimizer
+        self._restore(opt)  # a step that raised after the last suspend (its after_step never ran)
+        if not self._suspended:
+            return
+        self._refuse_edited_update()
         groups = [opt.param_groups[i] for i in self._suspended]
         self._saved = [(g["momentum"], g["weight_decay"]) for g in groups]
         for g in groups:
             g["momentum"], g["weight_decay"] = 0.0, 0.0
         self._sparse_step(opt)
+
+    def _refuse_edited_update(self):
+        """With momentum correction ``.grad`` holds the momentum-corrected sparse update, not a gradient:
+        clipping it (``clip_grad_norm_``) is not what DDP clips, and a loss scaler's ``unscale_`` leaves the
+        residuals and momenta at the old scale when the scale changes. Either would train differently
+        without a word, so a ``.grad`` changed in place between backward and step is refused (every rank
+        runs the same code, so every rank refuses)."""
+        if self._committed is None:
+            return
+        for b, (version, grads) in zip(self.model.buckets, self._committed):
+            corrected = any(gi is not None for gi in self._group[b.index])
+            # the version counter catches clipping; unscale_ does not move it, so a sample of the written
+            # entries (a uniform rescale changes every one) is compared as well
+            written, sample = self._written[b.index], self._sample[b.index]
+            rescaled = written is not None and sample is not None and not torch.equal(b.flat[written[:_SAMPLE]], sample)
+            if corrected and (b.flat._version != version or rescaled):
+                raise RuntimeError(
+                    f"{self.name}: .grad was changed in place between backward and optimizer.step() "
+                    f"(torch.nn.utils.clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own "
+                    f"edit). With momentum correction (the default with SGD momentum) .grad holds the "
+                    f"momentum-corrected sparse update, so the change would not be DDP's; set "
+                    f"momentum_correction: 0 (then .grad is the sparse average of gradient plus residual and "
+                    f"clipping clips that) or drop the change")
 
     def _sparse_step(self, opt):
         """With momentum and decay suspended, SGD's step is w -= lr * g, and this round's g is zero except
@@ -212,7 +239,10 @@ class ErrorFeedbackSparsifier(Algorithm):
             for p, _ in self._hidden:
                 p.grad = None
 
-    def _restore(self, opt, *_):
+    def after_step(self):
+        self._restore(self.model.optimizer)
+
+    def _restore(self, opt):
         for p, g in self._hidden:  # the step is over: .grad reads as after backward
             p.grad = g
         self._hidden = []
@@ -223,9 +253,6 @@ class ErrorFeedbackSparsifier(Algorithm):
 
     def close(self):
         self._restore(self.model.optimizer)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     def clear_result(self, flat, bucket_index):
         """Zero the bucket cheaply: only the entries the previous step's result wrote."""
@@ -299,6 +326,8 @@ class ErrorFeedbackSparsifier(Algorithm):
             self.momenta, self._u = self._u, self.momenta
         if self._suspended:  # what the step may apply sparsely, if it is still this when the step comes
             self._committed = [(b.flat._version, [p.grad for p in b.params]) for b in self.model.buckets]
+            self._sample = [None if w is None else b.flat[w[:_SAMPLE]] for b, w in zip(self.model.buckets,
+                                                                                         self._written)]
 
     def discard_round(self):
         self._written = [None] * len(self._written)  # the framework overwrites the buckets (NaN)

@@ -70,10 +70,7 @@ class AsyncModelAverage(Algorithm):
         self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(model.process_group))
         self._timeout_s = group_timeout(self.group).total_seconds()
         # .data: average the storage without bumping autograd's version counters (see the docstring)
-        self.averager = WeightAverager([p.data for p in model._params], self.compression, "async_model_average")
-        opt = model.optimizer
-        self._hooks = [opt.register_step_pre_hook(lambda *_: self._lock_step()),
-                       opt.register_step_post_hook(lambda *_: self._unlock_step())]
+        self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")
         self._atexit = lambda ref=weakref.ref(self): ref() and ref()._stop(join_timeout_s=10.0)
         atexit.register(self._atexit)
         if self.warmup_steps == 0:
@@ -101,7 +98,7 @@ class AsyncModelAverage(Algorithm):
             self._lock.release()
 
     def _check(self):
-        self.model._failfast.check_every()  # a peer's failure: its averaging thread would never answer ours
+        self.model.check_peers()  # a peer's failure: its averaging thread would never answer ours
         if self.error is not None:
             raise RuntimeError(f"async_model_average: the background averaging failed: "
                                f"{type(self.error).__name__}: {self.error}") from self.error
@@ -110,7 +107,11 @@ class AsyncModelAverage(Algorithm):
         self._unlock_step()  # only if an optimizer step raised between its pre and post hooks
         self._check()
 
+    def before_step(self):
+        self._lock_step()
+
     def after_step(self):
+        self._unlock_step()
         self._check()
         if self._thread is None and not self._closing and self.step >= self.warmup_steps:
             if self.step == self.warmup_steps:
@@ -149,15 +150,13 @@ class AsyncModelAverage(Algorithm):
             while self._thread.is_alive() and time.monotonic() < deadline and not failed:
                 self._thread.join(POLL_S)
                 # its collective may wait on a failed rank: do not wait out the group's timeout
-                failed = self.model is not None and self.model._failfast.peer_failed()
+                failed = self.model is not None and self.model.peer_failed()
             if self._thread.is_alive():
                 why = "a rank's communication failed" if failed else f"it did not stop within {join_timeout_s:.0f}s"
                 warnings.warn(f"async_model_average: left the background averaging thread behind ({why}); "
                               f"it is a daemon and ends with the process")
 
     def close(self):
-        for h in self._hooks:
-            h.remove()
         self._unlock_step()
         atexit.unregister(self._atexit)
         self._stop(join_timeout_s=self._timeout_s + self.sync_interval_ms / 1000 + 10)

@@ -20,7 +20,7 @@
                             every rank: one allreduce, as a local SGD average; the others go on from
                             where their probe steps left them, as they would on their own
                             log one line: the pick, every candidate's s/step x efficiency, the inputs
-    from then on:           every hook and every bucket's ops are the pick's; its step count is the
+    from then on:           the model runs the pick (auto hands it over); its step count is the
                             training's (the probe steps count as its first steps), so its schedule keeps
                             the phase it has on its own: local SGD averages after steps H, 2H, ... (H its
                             period), and with local SGD picked the whole run is local SGD's own
@@ -43,8 +43,9 @@ on scikit-learn digits), else 1.0. ``candidates`` run from most to least exact; 
 stays on dense SGD. ``picked`` is the chosen :class:`~bagua_lite.Algorithm` (None during the probe),
 ``decision`` the inputs and predictions.
 
-The pick's native engine ops (``bagua_lite._C.AllreduceOp``, ...) run inside auto's per-bucket
-dispatcher through ``Op.run``.
+auto is not a proxy: at the decision it hands the model its pick (``DistributedModel.switch_algorithm``),
+which from then on trains exactly as if the model had been built with it; ``model.configured_algorithm``
+stays this object (``picked``, ``picked_label``, ``decision``), and a checkpoint resumes the same pick.
 """
 import dataclasses
 import logging
@@ -53,7 +54,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, comm, cost_model
+from bagua_lite import comm, cost_model
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
 log = logging.getLogger("bagua_lite")
@@ -73,18 +74,6 @@ def _keeps_unequal_replicas(name, opts):
     if name == "local_sgd":
         return not opts.get("warmup_steps", 0) and opts.get("compression", "none") == "none"
     return name == "decentralized" and opts.get("compression", "none") == "none"  # compressed: copies from a common x_0
-
-
-class _LocalProbe(Algorithm):
-    """auto's probe steps: local SGD steps, nothing in the buckets (a non-finite local gradient skips that
-    rank's step, as local relaxations do)."""
-
-    def sync_gradients(self):
-        return False
-
-    @property
-    def step_dependent_wire(self):
-        return False
 
 
 @register("auto")
@@ -140,8 +129,6 @@ class Auto(Algorithm):
         self.picked = None
         self.picked_label = None
         self.decision = None
-        self.delegate = None
-        self._ops = []
         self._t0 = None
         self._probe_compute = []
         self._probe_waited = []
@@ -160,55 +147,24 @@ class Auto(Algorithm):
             numel = max(b.numel for b in model.buckets)
             self.machine = cost_model.calibrate_machine(numel=min(1 << 22, max(1 << 16, numel)), repeats=3)
         if self.probe_steps == 0:
-            self._decide(float(self.compute_option))
-        else:
-            # Probe steps are local SGD steps: no bucket travels, so the compute is measured clean.
-            probe = _LocalProbe()
-            probe.model = model
-            self.delegate = probe
-            self._sync_step()
-            self._ops = [[] for _ in model.buckets]
+            self._decide(float(self.compute_option))  # hands the model its pick right away
 
-    def bucket_ops(self, bucket):
-        def auto_dispatch(flat, i=bucket.index):
-            for op in self._ops[i]:
-                op(flat)
-        auto_dispatch.__name__ = f"auto_bucket{bucket.index}"
-        return [auto_dispatch]
-
-    @property
-    def cycle(self):
-        return self.delegate.cycle if self.delegate is not None else 1
+    # ---- the probe steps: local SGD steps, nothing in the buckets, so the compute is measured clean -------
+    def sync_gradients(self):
+        return False
 
     @property
     def step_dependent_wire(self):
-        """The pick's own answer; while probing, no: no bucket travels. Every probe step ends in exactly one
-        collective (its round's all_gather of the step counts, or the decision), so the ranks' probe
-        collectives pair up by construction and every rank switches to the pick at the same step count.
-        A pick whose messages never change (gradient_allreduce) then pays no step check, as on its own."""
-        return self.picked is not None and self.delegate.step_dependent_wire
-
-    # ---- per step: delegate --------------------------------------------------------------------------------
-    def sync_gradients(self):
-        self._sync_step()
-        return self.delegate.sync_gradients()
-
-    def on_gradient(self, bucket, position, grad):
-        self.delegate.on_gradient(bucket, position, grad)
+        """No bucket travels while probing. Every probe step ends in exactly one collective (its round's
+        all_gather of the step counts, or the decision), so the ranks' probe collectives pair up by
+        construction and every rank switches to the pick at the same step count."""
+        return False
 
     def before_forward(self):
         if self.picked is None and self._t0 is None:
             self._t0 = (time.perf_counter(), self._waited())
-        self._sync_step()
-        self.delegate.before_forward()
-
-    def after_backward(self):
-        self._sync_step()
-        self.delegate.after_backward()
 
     def after_step(self):
-        self._sync_step()
-        self.delegate.after_step()
         if self.picked is not None:
             return
         if self._t0 is not None:
@@ -236,12 +192,10 @@ class Auto(Algorithm):
         if model.world_size == 1:
             return
         t0 = time.perf_counter()
-        steps = model.run_collective("auto probe round", lambda: model._gather_ints([self.step]))
+        model.run_collective("auto probe round", lambda: model.check_in_step("auto was probing (nothing was "
+                                                                             "exchanged)"))
         if timed:
             self._probe_waited.append(time.perf_counter() - t0)
-        msg = model._out_of_step([row[0] for row in steps], "auto was probing (nothing was exchanged)")
-        if msg:
-            raise RuntimeError(msg)
 
     # ---- the decision ----------------------------------------------------------------------------------------
     def _workload(self, compute_s):
@@ -289,8 +243,7 @@ class Auto(Algorithm):
         name, opts = self.candidates[i]
         if self.probe_steps > 0 and model.world_size > 1 and not _keeps_unequal_replicas(name, opts):
             model.run_collective("auto replica average", self._average_replicas)
-        self._delegate_to(name, opts)
-        self.picked = self.delegate
+        self.picked = build(name, **opts)
         self.picked_label = cost_model.label(name, opts)
         self.decision = {"picked": i, "candidates": [[n, o] for n, o in self.candidates],
                          "predictions": preds, "efficiency": efficiency, "compute_s": compute_s, "machine": machine.__dict__,
@@ -300,6 +253,7 @@ class Auto(Algorithm):
         if model.rank == 0:
             log.info(self.decision["line"])
             print(self.decision["line"], flush=True)
+        model.switch_algorithm(self.picked)
 
     def _average_replicas(self):
         """After local probe steps: every rank's parameters and optimizer state become their average over
@@ -307,8 +261,8 @@ class Auto(Algorithm):
         optimizer's floating-point state of these parameters (SGD's momentum, Adam's moments; a step
         counter is equal everywhere and stays so)."""
         opt = self.model.optimizer
-        tensors = [p.data for p in self.model._params]
-        for p in self.model._params:
+        tensors = [p.data for p in self.model.params]
+        for p in self.model.params:
             tensors += [v for v in opt.state.get(p, {}).values()
                         if isinstance(v, torch.Tensor) and v.is_floating_point()]
         by_dtype = {}
@@ -356,50 +310,20 @@ class Auto(Algorithm):
                   f"{_params(work.numel)} params, compute {work.compute_s:.3g} s{probes}, "
                   f"round {machine.round_s:.3g} s, P={self.model.world_size})")
 
-    def close(self):
-        if self.delegate is not None:
-            self.delegate.close()
-
-    def _delegate_to(self, name, opts):
-        if self.delegate is not None:
-            self.delegate.close()  # the probe's (its hooks, if any, go with it)
-        d = build(name, **opts)
-        d.model = self.model
-        d.init(self.model)
-        self.delegate = d
-        self._sync_step()
-        self._ops = [[self._callable(op) for op in d.bucket_ops(b)] for b in self.model.buckets]
-
-    def _sync_step(self):
-        if self.delegate is not None:
-            self.delegate.step = self.step
-
-    def _callable(self, op):
-        """A Python callable for one of the delegate's ops (native ops run through ``Op.run``)."""
-        if isinstance(op, _C.Op):
-            return op.run
-        if not callable(op):
-            raise TypeError(f"auto: {self.delegate!r} returned a bucket op that is not callable: {op!r}")
-        return op
-
     # ---- state -------------------------------------------------------------------------------------------------
     def state_dict(self):
-        state = {"step": self.step, "delegate": self.delegate.state_dict()
-                 if self.delegate is not None else None}
+        """The step and the decision; the pick's own state is saved by the model beside it."""
+        state = {"step": self.step, "picked": None}
         if self.picked is not None:
-            state["picked"] = list(self.candidates[self.decision["picked"]]) if self.decision else None
+            state["picked"] = list(self.candidates[self.decision["picked"]])
             state["decision"] = self.decision
         return state
 
     def load_state_dict(self, state):
         self.step = int(state["step"])
-        pick = state.get("picked")
-        if pick is not None:
-            name, opts = pick
-            self._delegate_to(name, dict(opts))
-            self.picked = self.delegate
+        if state.get("picked") is not None:
+            name, opts = state["picked"]
+            self.picked = build(name, **dict(opts))
             self.picked_label = cost_model.label(name, opts)
             self.decision = state.get("decision")
-        if state.get("delegate") is not None and self.delegate is not None:
-            self.delegate.load_state_dict(state["delegate"])
-        self._sync_step()
+            self.model.switch_algorithm(self.picked)

@@ -70,7 +70,7 @@ class Decentralized(Algorithm):
         return self.communication_interval
 
     def init(self, model):
-        self.weights = FlatWeights(model._params)
+        self.weights = FlatWeights(model.params)
         # Our traffic only, and one group per direction: a TCP connection that carries bulk data both ways
         # queues each side's acknowledgements behind its data and halves the rate (measured: a 100 MB
         # swap over an emulated 1 Gbit/s link takes 1.67 s on one connection, 0.84 s on two).
@@ -111,10 +111,13 @@ class Decentralized(Algorithm):
         self._jobs, self._packed, self._done, self._error = queue.Queue(), threading.Event(), threading.Event(), None
         self._thread = threading.Thread(target=self._serve, name="bagua_lite-decentralized", daemon=True)
         self._thread.start()
-        self._hook = model.optimizer.register_step_pre_hook(lambda *_: self._wait(self._packed))
 
     def sync_gradients(self):
         return False
+
+    def before_step(self):
+        if self.compressor is not None:
+            self._wait(self._packed)  # the thread has packed this exchange's snapshot: the step may go on
 
     def _peers(self):
         """(ranks this rank sends to, ranks it receives from) in this exchange."""
@@ -224,10 +227,10 @@ class Decentralized(Algorithm):
 
     def _wait(self, event):
         if self._works is not None:
-            self.model._failfast.wait_event(event)  # the thread may wait on a failed peer: fail fast
+            self.model.wait_for(event)  # the thread may wait on a failed peer: fail fast
             if self._error is not None:
                 error, self._error, self._works = self._error, None, None
-                self.model._failfast.announce(f"{self.name}: the weight exchange failed: {error}")
+                self.model.fail(f"{self.name}: the weight exchange failed: {error}")
                 raise RuntimeError(f"{self.name}: the weight exchange failed on rank {self.model.rank}: {error}") \
                     from error
 
@@ -277,10 +280,9 @@ class Decentralized(Algorithm):
         return deltas
 
     def close(self):
-        if self.model._failfast.peer_failed():  # nobody will answer: leave the (daemon) thread behind
+        if self.model.peer_failed():  # nobody will answer: leave the (daemon) thread behind
             self._works = None
             if getattr(self, "_thread", None) is not None:
-                self._hook.remove()
                 self._thread = None
             return
         if self._works is not None:  # an exchange in flight: finish it so peers are not left waiting
@@ -293,7 +295,6 @@ class Decentralized(Algorithm):
             self._jobs.put(False)
             self._thread.join()
             self._thread = None
-            self._hook.remove()
 
     def state_dict(self):
         state = {"step": self.step, "exchanges": self.exchanges}

@@ -39,7 +39,7 @@ class LocalSGD(Algorithm):
         return self.warmup_steps > 0  # what travels changes when the warm-up ends
 
     def init(self, model):
-        self.averager = WeightAverager(model._params, self.compression, "local_sgd")
+        self.averager = WeightAverager(model.params, self.compression, "local_sgd")
 
     def bucket_ops(self, bucket):
         return [self.native.AllreduceOp(self.process_group, True)]

@@ -44,7 +44,7 @@ class QAdam(Algorithm):
                              + ", ".join(repr(n) for n in compressors.registered_compressors() if n != "none"))
         self.compressor = compressors.get_compressor(compression, "qadam")
         self.warmup_steps, self.compression = warmup_steps, compression
-        self._hook, self._synced = None, False
+        self._synced = False
 
     @property
     def step_dependent_wire(self):
@@ -72,7 +72,6 @@ class QAdam(Algorithm):
             key = (p.dtype, p.device)
             if key not in self._scratch or self._scratch[key].numel() < p.numel():
                 self._scratch[key] = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
-        self._hook = opt.register_step_pre_hook(self._update)
 
     def bucket_ops(self, bucket):
         pg, residual = self.process_group, self.residuals[bucket.index]
@@ -117,8 +116,9 @@ class QAdam(Algorithm):
     def after_backward(self):
         self._synced = True
 
-    def _update(self, optimizer, args, kwargs):
-        """Step pre-hook: after warm-up, Adam's update from the averaged momentum and the frozen v."""
+    def before_step(self):
+        """After warm-up, Adam's update from the averaged momentum and the frozen v."""
+        optimizer = self.model.optimizer
         synced, self._synced = self._synced, False
         if self.step < self.warmup_steps:
             return
@@ -162,11 +162,6 @@ class QAdam(Algorithm):
             raise RuntimeError(f"qadam: a parameter of shape {tuple(p.shape)} has no Adam state after warm-up "
                                f"(it needs at least one optimizer step with a gradient during warm-up)")
         return state
-
-    def close(self):
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
 
     def state_dict(self):
         return {"step": self.step, "residuals": [r.clone() for r in self.residuals]}

@@ -29,6 +29,8 @@ Hooks, in the order of one training step:
                            (the framework then makes every rank's ``.grad`` NaN, so a loss scaler skips the
                            step, and without one ``optimizer.step()`` raises). A rank's own non-finite
                            gradient is recorded by :meth:`Algorithm.fill` (or ``nonfinite_buckets.add``)
+``before_step()``          inside every ``optimizer.step()``, before the optimizer's own update (after the
+                           closure, if one was passed, ran its forward and backward)
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
@@ -151,6 +153,11 @@ class Algorithm:
 
     def after_backward(self) -> None:
         pass
+
+    def before_step(self) -> None:
+        """Inside ``optimizer.step()``, before the optimizer's update: after a closure's forward and backward
+        and after the model's refusals (non-finite round, ranks out of step). If the optimizer's update
+        raises, ``after_step`` does not run and the next ``before_step`` or ``before_forward`` comes first."""
 
     def after_step(self) -> None:
         pass

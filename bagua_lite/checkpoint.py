@@ -28,7 +28,7 @@ def _file(path, rank):
 
 
 def _meta(model):
-    alg = model.algorithm
+    alg = model.configured_algorithm  # auto, not its pick: a resumed auto switches to the same pick
     return {"world_size": model.world_size, "algorithm": alg.name, "options": repr(sorted(alg.options().items())),
             "buckets": [[b.numel, str(b.dtype)] for b in model.buckets]}
 

@@ -419,7 +419,7 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
     bv, bi = kernels.topk(y[: 4 * s].contiguous(), s)
     merge = med(lambda: kernels.merge_topk(av, ai, bv, bi, s)) / (2 * s)
     side = max(4, int(math.isqrt(numel)))
-    M = x[: side * side].view(side, side) if side * side <= numel else torch.randn(side, side)
+    M = x[: side * side].view(side, side) if side * side <= numel else torch.randn(side, side, generator=g)
     Q = torch.randn(side, 4, generator=g)
     matmul = med(lambda: M @ Q) / (2.0 * side * side * 4)
     return Machine(topk_s_per_elem=topk, quantize_s_per_elem=quant, fp16_s_per_elem=fp16, add_s_per_elem=add,

@@ -47,6 +47,16 @@ def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
+def _take_closure(optimizer, args, kwargs):
+    """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call."""
+    if kwargs.get("closure") is not None:
+        kwargs = dict(kwargs)
+        return kwargs.pop("closure"), args, kwargs
+    if args and callable(args[0]):
+        return args[0], args[1:], kwargs
+    return None, args, kwargs
+
+
 def _digest(obj) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
 
@@ -82,6 +92,10 @@ class DistributedModel(torch.nn.Module):
             raise ValueError(f"DistributedModel: bucket_size_mb must be a finite number > 0, got {bucket_size_mb!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedModel: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
+                             "times per step, so ranks would run different numbers of communication rounds; use an "
+                             "optimizer that evaluates it once (SGD, Adam, AdamW, ...)")
         self.module = module
         self.optimizer = optimizer
         self.algorithm = algorithm
@@ -98,12 +112,12 @@ class DistributedModel(torch.nn.Module):
                     comm.broadcast(t.data, 0, self.process_group)
 
         # Buckets in the order gradients become ready: reverse registration order.
-        self._params = [p for p in module.parameters() if p.requires_grad]
-        if any(p.device.type == "cpu" for p in self._params):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        if any(p.device.type == "cpu" for p in self.params):
             runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_model_buckets(module, self.bucket_size_mb))]
-        self._index = {p: i for i, p in enumerate(self._params)}
-        self._used_words = max(1, -(-len(self._params) // _BITS))
+        self._index = {p: i for i, p in enumerate(self.params)}
+        self._used_words = max(1, -(-len(self.params) // _BITS))
         self._slot = {}  # param -> (bucket index, position)
         for b in self.buckets:
             for j, p in enumerate(b.params):
@@ -114,13 +128,7 @@ class DistributedModel(torch.nn.Module):
         self._engine_abandoned = False
         self._nonfinite_error = None
         self._local_bad = None  # first parameter with a non-finite local gradient (relaxations that keep them local)
-        # before the algorithm's own step hooks (registered in init): a skipped round must stop them too
-        self._hooks = [optimizer.register_step_pre_hook(self._before_step)]
-        self.algorithm.model = self
-        self.algorithm.init(self)
-        for b in self.buckets:
-            b.ops = list(self.algorithm.bucket_ops(b))
-
+        self._unsynced = False  # a backward ran under no_sync() and no synchronised round followed it yet
         self._sync_enabled = True
         self._backward_active = False
         self._ready = [0] * len(self.buckets)
@@ -128,25 +136,66 @@ class DistributedModel(torch.nn.Module):
         self._next_bucket = 0
         # seconds this process waited: for the buckets after backward, and in the agreement after them
         self.timings = {"backward_wait_s": 0.0, "agree_s": 0.0}
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._params]
-        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_step()))
+        #: the algorithm the model was built with; ``algorithm`` differs from it after a
+        #: :meth:`switch_algorithm` (auto hands the model its pick)
+        self.configured_algorithm = algorithm
+        # The model owns the optimizer's hooks; algorithms see them as before_step()/after_step().
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(lambda *_: self._after_step())]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.algorithm = algorithm
+        self._install(algorithm)
+
+    def _install(self, algorithm):
+        algorithm.model = self
+        self.algorithm = algorithm
+        algorithm.init(self)
+        if self.algorithm is not algorithm:  # its init handed the model another algorithm (auto)
+            return
+        ops = [list(algorithm.bucket_ops(b)) for b in self.buckets]
+        for b, o in zip(self.buckets, ops):
+            b.ops = o
+
+    def switch_algorithm(self, algorithm: Algorithm) -> None:
+        """Hand the training to ``algorithm`` from the next step on (auto hands the model its pick). Call at
+        a step boundary, on every rank alike (from an algorithm's ``init`` or ``after_step``, or between
+        steps): the current algorithm is closed, ``algorithm`` takes over the step count and is set up on
+        this model's buckets exactly as if the model had been built with it."""
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(f"switch_algorithm: expected a bagua_lite.Algorithm, got {type(algorithm).__name__}")
+        if self._backward_active:
+            raise RuntimeError("switch_algorithm: called inside a backward; switch at a step boundary")
+        old = self.algorithm
+        algorithm.step = old.step
+        old.close()
+        self._install(algorithm)
 
     # ---- user-facing ---------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._pre_forward()
+        out = self.module(*args, **kwargs)
+        self._post_forward(out)
+        return out
+
+    # Under torch.compile of the wrapped model only the module is traced: the hooks around it talk to the
+    # engine, threads and the store, which dynamo cannot trace, and must run eagerly on every call.
+    @torch.compiler.disable
+    def _pre_forward(self):
         self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
         if self._sync_enabled and torch.is_grad_enabled():
             self._settle_skipped_step()
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
             self._sync_buffers()
         self._algorithm_hook(self.algorithm.before_forward)
-        out = self.module(*args, **kwargs)
+
+    @torch.compiler.disable
+    def _post_forward(self, out):
         if torch.is_grad_enabled() and self._sync_enabled:
             # Arm the end-of-backward callback as soon as backward reaches the output, so a rank whose
             # parameters get no gradient at all still runs every bucket (and its peers do not hang).
             for t in torch.utils._pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(self._on_output_grad, node=t.grad_fn))
-        return out
 
     def _sync_buffers(self):
         """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) to every rank
@@ -173,13 +222,13 @@ class DistributedModel(torch.nn.Module):
         alone. A ``backward()`` starts one, even when none of this rank's parameters takes part in it (they
         contribute zeros, so the peers' collectives complete)."""
         try:
-            if any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in self._params):
+            if any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in self.params):
                 return True
         except RuntimeError:  # torch refuses to answer for a leaf during autograd.grad()
             return False
         # No parameter accumulates: either none is in this graph (a backward() this rank's parameters sit
         # out: run the round) or the backward skips them (autograd.grad w.r.t. inputs: do not).
-        mine, seen, stack = {id(p) for p in self._params}, set(), [node]
+        mine, seen, stack = {id(p) for p in self.params}, set(), [node]
         while stack:
             n = stack.pop()
             if n is None or n in seen:
@@ -212,11 +261,20 @@ class DistributedModel(torch.nn.Module):
                 self._engine.shutdown()
 
     def algorithm_state_dict(self) -> dict:
+        """The algorithm's state (residuals, momenta, counters); after a switch (auto's pick), the configured
+        algorithm's state too, so loading it switches to the same pick."""
         self._settle_skipped_step()
-        return self.algorithm.state_dict()
+        state = self.algorithm.state_dict()
+        if self.algorithm is not self.configured_algorithm:
+            return {"configured": self.configured_algorithm.state_dict(), "active": state}
+        return state
 
     def load_algorithm_state_dict(self, state: dict) -> None:
-        self.algorithm.load_state_dict(state)
+        if set(state) == {"configured", "active"}:
+            self.configured_algorithm.load_state_dict(state["configured"])  # switches to the saved pick
+            self.algorithm.load_state_dict(state["active"])
+        else:
+            self.algorithm.load_state_dict(state)
 
     # ---- set-up checks ---------------------------------------------------------------------------------
     def _check_same_config(self):
@@ -250,6 +308,8 @@ class DistributedModel(torch.nn.Module):
     # ---- the scheduler -----------------------------------------------------------------------------------
     def _on_grad_ready(self, p):
         if not self._sync_enabled:
+            if not self._unsynced and self.algorithm.sync_gradients():
+                self._unsynced = True
             return
         if not self.algorithm.sync_gradients():
             # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
@@ -275,14 +335,14 @@ class DistributedModel(torch.nn.Module):
             self.algorithm.nonfinite_buckets.clear()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _gather_ints(self, values):
+    def _gather_ints(self, values, group=None):
         """Every rank's list of ints (one all_gather of len(values) int64 per rank), as a list per rank."""
         if self.world_size == 1:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         try:  # blocking: a peer that failed in this round's buckets never gets here (they fail fast)
-            dist.all_gather_single(out, mine, group=self.process_group)
+            dist.all_gather_single(out, mine, group=self.process_group if group is None else group)
         except RuntimeError as e:
             self._failfast.announce(f"a step-control all_gather failed: {e}")
             raise
@@ -323,7 +383,7 @@ class DistributedModel(torch.nn.Module):
             used = [0] * self._used_words
             for row in rows:
                 used = [a | b for a, b in zip(used, row[2:])]
-            for i, p in enumerate(self._params):
+            for i, p in enumerate(self.params):
                 if not used[i // _BITS] >> (i % _BITS) & 1:
                     p.grad = None
         ranks = [r for r, b in enumerate(firsts) if b >= 0]
@@ -343,6 +403,23 @@ class DistributedModel(torch.nn.Module):
             f"inf/NaN: learning rate, loss, inputs")
 
     def _before_step(self, optimizer, args, kwargs):
+        """The optimizer's step pre-hook, the only one: a closure first (it runs forward and backward, as
+        in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``."""
+        closure, args, kwargs = _take_closure(optimizer, args, kwargs)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            calls = []
+
+            def evaluated():
+                if calls:
+                    raise RuntimeError(
+                        f"bagua_lite: {type(optimizer).__name__}.step evaluated its closure a second time in one "
+                        f"step; each evaluation would be a communication round whose count differs between ranks. "
+                        f"Use an optimizer that evaluates the closure once per step (SGD, Adam, ...)")
+                calls.append(1)
+                return loss
+            kwargs = dict(kwargs, closure=evaluated)
         self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None:
             raise FloatingPointError(self._nonfinite_error)
@@ -354,6 +431,14 @@ class DistributedModel(torch.nn.Module):
                 f"skips the step: its weights are unchanged and the step still counts, so the ranks stay in "
                 f"step (a loss scaler, torch.amp.GradScaler, skips such steps without this error). Look for "
                 f"what produced the inf/NaN: learning rate, loss, inputs")
+        if self._unsynced and self.algorithm.sync_gradients():
+            raise RuntimeError(
+                f"bagua_lite: optimizer.step() after a backward under no_sync() with no synchronised backward "
+                f"since (this is rank {self.rank}, step {self.algorithm.step}, {self.algorithm.name}): its "
+                f"gradients are this rank's own and the replicas would drift apart. Run the last micro-batch's "
+                f"backward outside no_sync(), as with DDP")
+        self._algorithm_hook(self.algorithm.before_step)
+        return (args, kwargs) if closure is not None else None
 
     def _settle_skipped_step(self):
         """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
@@ -393,6 +478,7 @@ class DistributedModel(torch.nn.Module):
         finally:
             self.timings["backward_wait_s"] += time.perf_counter() - t0
             self._backward_active = False
+            self._unsynced = False
             self._next_bucket = 0
             self._ready = [0] * len(self.buckets)
             self._marked = [[False] * len(b.params) for b in self.buckets]
@@ -405,6 +491,7 @@ class DistributedModel(torch.nn.Module):
 
     def _after_step(self):
         self._local_bad = None
+        self._unsynced = False
         self.algorithm.step += 1
         self._algorithm_hook(self.algorithm.after_step)
 
@@ -418,6 +505,34 @@ class DistributedModel(torch.nn.Module):
         except Exception as e:
             self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
             raise
+
+    # ---- what an algorithm uses of the model (besides buckets, params, optimizer, process_group, rank,
+    # world_size, run_collective and switch_algorithm) --------------------------------------------------------
+    def check_in_step(self, what: str, group=None) -> None:
+        """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
+        ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
+        collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
+        msg = self._out_of_step([r[0] for r in self._gather_ints([self.algorithm.step], group)], what)
+        if msg:
+            raise RuntimeError(msg)
+
+    def fail(self, what: str) -> None:
+        """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a
+        second instead of waiting for the process group's timeout). Never raises."""
+        self._failfast.announce(what)
+
+    def check_peers(self) -> None:
+        """Raise :class:`PeerFailedError` if a peer announced a failure (looks at most twice a second)."""
+        self._failfast.check_every()
+
+    def peer_failed(self) -> bool:
+        """Whether this model's communication is known to be broken, here or on a peer (never raises)."""
+        return self._failfast.peer_failed()
+
+    def wait_for(self, event) -> None:
+        """``event.wait()`` for an algorithm's own thread's work, raising :class:`PeerFailedError` if a peer
+        fails meanwhile (the thread may sit in a collective with the failed peer until the timeout)."""
+        self._failfast.wait_event(event)
 
     def _wait_engine(self):
         """Wait for every task on the engine, failing fast: a peer's announced failure raises

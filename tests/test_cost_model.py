@@ -837,7 +837,7 @@ def _r_auto(rank, P, options, steps, check_replicas):
         with contextlib.redirect_stdout(stdout):
             model = bagua_lite.DistributedModel(net, opt, algorithm="auto" if options is None else build("auto", **options),
                                                 bucket_size_mb=100.0)
-            alg = model.algorithm
+            alg = model.configured_algorithm
             losses, identical, picked_at, bytes_after = [], [], None, None
             for s in range(steps):
                 comm.reset_traffic()
@@ -851,7 +851,8 @@ def _r_auto(rank, P, options, steps, check_replicas):
                     everyone = [torch.empty_like(mine) for _ in range(P)]
                     dist.all_gather(everyone, mine)
                     identical.append(all(torch.equal(everyone[0], t) for t in everyone))
-            state = alg.state_dict()
+            state = model.algorithm_state_dict()
+            active = model.algorithm  # auto handed the model its pick
             model.close()
             # a fresh auto restored from the state runs the same pick without probing again
             net2 = _net()
@@ -859,7 +860,8 @@ def _r_auto(rank, P, options, steps, check_replicas):
             model2 = bagua_lite.DistributedModel(net2, opt2, algorithm=build(
                 "auto", network={"alpha": 1e-5, "beta": 1e-9}, candidates=["gradient_allreduce"], machine=ZERO.__dict__))
             model2.load_algorithm_state_dict(state)
-            restored = (model2.algorithm.picked_label, model2.algorithm.step, model2.algorithm.delegate.step)
+            restored = (model2.configured_algorithm.picked_label, model2.algorithm.step,
+                        type(model2.algorithm) is type(active) and model2.algorithm is not model2.configured_algorithm)
             _one_step(model2, opt2, rank)
             model2.close()
     finally:
@@ -892,7 +894,7 @@ def _check_auto(res, P, expect=None):
     assert all(r["log"] == [] and "bagua_lite auto" not in r["stdout"] for r in res[1:])
     for r in res:
         assert r["losses"][-1] < 0.9 * r["losses"][0], r["losses"]
-        assert r["restored"][0] == pick and r["restored"][1] == len(r["losses"])
+        assert r["restored"][0] == pick and r["restored"][1] == len(r["losses"]) and r["restored"][2]
     return pick, d
 
 
@@ -947,7 +949,7 @@ def _r_auto_vs_reference(rank, P, probe_steps, momentum):
     ddp = None
     diffs, checks = [], []
     for s in range(probe_steps + 3):
-        checks.append(model.algorithm.step_dependent_wire)  # read when the step's backward starts
+        checks.append(model.algorithm.step_dependent_wire)  # read when the step's backward starts (auto's, then the pick's)
         _one_step(ddp if ddp is not None else a, opt_a, rank, seed=s)
         if s == probe_steps - 1:  # the reference's average, then DDP (which broadcasts rank 0's equal weights)
             with torch.no_grad():
@@ -996,7 +998,7 @@ def _r_auto_vs_local_sgd(rank, P, steps):
         _one_step(alone, opt_a, rank, seed=s)
         _one_step(auto, opt_b, rank, seed=s)
     same = all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
-    picked = auto.algorithm.picked_label
+    picked = auto.configured_algorithm.picked_label
     alone.close()
     auto.close()
     return same, picked

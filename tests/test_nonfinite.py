@@ -104,6 +104,9 @@ def _train_step(model, net, opt, scaler, rank, s, out, after_backward=None):
 def _r_scaled(rank, P, label, scaler_on):
     """Train STEPS steps under bf16 autocast; at BAD_STEP rank BAD_RANK's loss is multiplied by inf."""
     name, options, kind = CASES[label]
+    if scaler_on and name in ("topk", "gtopk"):
+        # momentum correction refuses a loss scaler (test_loss_scaler_under_momentum_correction_is_refused)
+        options = dict(options, momentum_correction=0)
     net = _net()
     opt = _optimizer(kind, net)
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
@@ -305,3 +308,32 @@ def test_parameters_no_rank_used_keep_grad_none(clusters, name):
         if name == "gradient_allreduce":
             assert seen[3] is False, (r, seen)
     assert len({bytes(w.view(torch.uint8).numpy()) for _, w in res}) == 1, "replicas differ"
+
+
+def _r_scaler_refused(rank, P, name):
+    net = _net()
+    opt = _optimizer("sgd", net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, density=0.1), bucket_size_mb=0.002)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    x, y = _batch(rank, 0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    before = _weights(net)
+    try:
+        scaler.step(opt)
+        msg = None
+    except RuntimeError as e:
+        msg = str(e)
+    same = torch.equal(before, _weights(net))
+    model.close()
+    return msg, same
+
+
+@pytest.mark.parametrize("name", ["topk", "gtopk"])
+def test_loss_scaler_under_momentum_correction_is_refused(clusters, name):
+    """unscale_ rescales .grad in place without moving its version counter; under momentum correction the
+    residuals and momenta hold scaled values, which a change of scale would silently mis-weight."""
+    for r, (msg, same) in enumerate(clusters.get(3).run(_r_scaler_refused, name, timeout=60)):
+        assert msg and "GradScaler" in msg and "momentum_correction: 0" in msg, (r, msg)
+        assert same, f"rank {r}: weights changed by a refused step"

@@ -447,30 +447,46 @@ def _r_momentum_correction(rank, P):
 def _r_sparse_optimizer_step(rank, P):
     """topk/gtopk at density 0.1 with momentum correction: the optimizer's step is applied at the k entries
     the sparse result wrote (its dense pass skipped: .grad is None inside step, back afterwards), and the
-    weights end as the optimizer's own dense step leaves them. A clip_grad_norm_ (in place on the .grad
-    views) sends the bucket through the optimizer's dense step, which must see the clipped values."""
+    weights end as the optimizer's own dense step leaves them (forced by handing it a copy of .grad).
+    With momentum correction a clip_grad_norm_ between backward and step (in place on the .grad views,
+    which hold the corrected update, not a gradient) is refused; without momentum, clipping clips the
+    sparse average and the optimizer's dense step sees the clipped values."""
     out = {}
     for name in ("topk", "gtopk"):
         base = _mlp()
-        nets = {"sparse": copy.deepcopy(base), "dense": copy.deepcopy(base), "clipped": copy.deepcopy(base)}
+        nets = {"sparse": copy.deepcopy(base), "dense": copy.deepcopy(base), "clipped": copy.deepcopy(base),
+                "refused": copy.deepcopy(base)}
         models, opts, hidden = {}, {}, {k: [] for k in nets}
         for k, net in nets.items():
-            opts[k] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
+            if k == "clipped":  # no momentum: nothing to correct, w -= lr * g with g the clipped average
+                opts[k] = torch.optim.SGD(net.parameters(), lr=0.05)
+            else:
+                opts[k] = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01)
             models[k] = bagua_lite.DistributedModel(net, opts[k], build(name, density=0.1, warmup_densities=[]),
                                                     bucket_size_mb=0.004)
-            # registered after the algorithm's hooks: sees what torch's SGD sees
+            # registered after the model's hook: sees what torch's SGD sees
             opts[k].register_step_pre_hook(lambda o, *_, k=k: hidden[k].append(
                 sum(p.grad is None for g in o.param_groups for p in g["params"])))
-        grads_after, updates = [], []
+        grads_after, updates, refusal = [], [], None
         for s in range(8):
             x, y = _batch(rank, s)
             for k in nets:
+                if k == "refused" and refusal is not None:
+                    continue
                 F.cross_entropy(models[k](x), y).backward()
-                if k == "dense":  # max_norm huge: scales by exactly 1, but in place (the bucket's version moves)
-                    torch.nn.utils.clip_grad_norm_(nets[k].parameters(), 1e9)
-                elif k == "clipped":
+                if k == "dense":  # a copy of .grad: the optimizer's own dense step on the same values
+                    for p in nets[k].parameters():
+                        p.grad = p.grad.clone()
+                elif k in ("clipped", "refused"):
                     torch.nn.utils.clip_grad_norm_(nets[k].parameters(), 0.05)
                 before = [p.detach().clone() for p in nets[k].parameters()]
+                if k == "refused":
+                    try:
+                        opts[k].step()
+                    except RuntimeError as e:
+                        refusal = (s, str(e), all(torch.equal(p.detach(), w)
+                                                  for p, w in zip(nets[k].parameters(), before)))
+                    continue
                 opts[k].step()
                 grads = [p.grad for p in nets[k].parameters()]
                 if k != "dense":
@@ -481,8 +497,7 @@ def _r_sparse_optimizer_step(rank, P):
                     grads_after.append(all(g is not None for g in grads))
                 opts[k].zero_grad()
         out[name] = {"diff": _max_diff(nets["sparse"], nets["dense"]), "hidden": hidden,
-                     "grads_after": grads_after, "update_err": max(updates),
-                     "clipped_moved": _max_diff(nets["clipped"], nets["dense"]),
+                     "grads_after": grads_after, "update_err": max(updates), "refusal": refusal,
                      "nparams": len(list(base.parameters()))}
         for m in models.values():
             m.close()
@@ -499,7 +514,10 @@ def test_sparse_optimizer_step_is_the_optimizers_step(clusters, P):
             assert all(o["grads_after"]), (r, name)                           # and .grad is back after step
             assert o["diff"] < 1e-6, (r, name, o["diff"])                     # the same weights as the dense step
             assert o["update_err"] < 1e-6, (r, name, o["update_err"])
-            assert o["clipped_moved"] > 1e-4, (r, name, o["clipped_moved"])   # the clip mattered
+            step, msg, unchanged = o["refusal"]                               # clipping the corrected update
+            assert step == 0 and unchanged and "clip_grad_norm_" in msg and "momentum_correction: 0" in msg, \
+                (r, name, o["refusal"])
+            assert o["hidden"]["refused"] == [], (r, name)                    # refused before the optimizer ran
 
 
 @pytest.mark.parametrize("P", (1, 3, 4), ids=lambda p: f"P{p}")

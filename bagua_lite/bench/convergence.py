@@ -102,9 +102,9 @@ def run_cell(cell, cfg, model_name, task, rank, world):
     picked = decision = None
     if wrapper is not None:
         # auto: probed the network and calibrated when wrapped (not timed), trained its probe steps as local
-        # SGD (timed: they are training steps), then delegated to its pick
-        picked = getattr(wrapper.algorithm, "picked_label", None)
-        decision = (getattr(wrapper.algorithm, "decision", None) or {}).get("line")
+        # SGD (timed: they are training steps), then handed the model its pick
+        picked = getattr(wrapper.configured_algorithm, "picked_label", None)
+        decision = (getattr(wrapper.configured_algorithm, "decision", None) or {}).get("line")
         wrapper.close()
     return {"metric": metric, "target": target, "curve": curve,
             "steps_to_target": hit[0] if hit else None, "time_to_target_s": hit[1] if hit else None,

@@ -151,7 +151,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     if ours and name == "auto":
         # timed from the second step of its pick: the probe steps and the switch are set-up, as
         # start_powerSGD_iter is for the PowerSGD baseline
-        warm = max(warm, int(wrapper.algorithm.probe_steps) + 1)
+        warm = max(warm, int(wrapper.configured_algorithm.probe_steps) + 1)
     cycle, measure, most = 1, cfg["steps"], cfg["max_steps"]
     step = 0
     pending_sleep = 0.0  # the straggler's sleep for its previous step, taken at the start of the next
@@ -224,7 +224,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
         times = max(rank_times, key=lambda ts: cycle_median(ts, cycle))
     picked = None
     if ours:
-        picked = getattr(wrapper.algorithm, "picked", None)
+        picked = getattr(wrapper.configured_algorithm, "picked", None)
         picked = repr(picked) if picked is not None else None
         wrapper.close()  # on every rank: an asynchronous algorithm ends its background work collectively
     return {"times": times, "rank_times": rank_times, "loss": losses[-1] if losses else float("nan"),
