@@ -43,7 +43,6 @@ import torch
 from bagua_lite import _C, kernels
 from bagua_lite.algorithm import Algorithm
 
-_SAMPLE = 64  # written entries compared to see that .grad was not rescaled between backward and step
 OPTIMIZER = "optimizer"  # momentum_correction's default (None means it too): the optimizer's momentum and decay
 
 
@@ -125,7 +124,6 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._written = [None] * len(model.buckets)
         # sparse optimizer step: what the committed round left in the buckets (see _sparse_step)
         self._committed = None  # [(flat version, the .grad objects)] per bucket, or None
-        self._sample = [None] * len(model.buckets)  # the first written entries' values at the commit
         self._hidden = []       # (param, its .grad) set aside during the optimizer's step
 
     def _resolve_momentum(self, model):
@@ -192,13 +190,8 @@ class ErrorFeedbackSparsifier(Algorithm):
         runs the same code, so every rank refuses)."""
         if self._committed is None:
             return
-        for b, (version, grads) in zip(self.model.buckets, self._committed):
-            corrected = any(gi is not None for gi in self._group[b.index])
-            # the version counter catches clipping; unscale_ does not move it, so a sample of the written
-            # entries (a uniform rescale changes every one) is compared as well
-            written, sample = self._written[b.index], self._sample[b.index]
-            rescaled = written is not None and sample is not None and not torch.equal(b.flat[written[:_SAMPLE]], sample)
-            if corrected and (b.flat._version != version or rescaled):
+        for b in self.model.buckets:
+            if any(gi is not None for gi in self._group[b.index]) and b.changed():
                 raise RuntimeError(
                     f"{self.name}: .grad was changed in place between backward and optimizer.step() "
                     f"(torch.nn.utils.clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own "
@@ -326,8 +319,8 @@ class ErrorFeedbackSparsifier(Algorithm):
             self.momenta, self._u = self._u, self.momenta
         if self._suspended:  # what the step may apply sparsely, if it is still this when the step comes
             self._committed = [(b.flat._version, [p.grad for p in b.params]) for b in self.model.buckets]
-            self._sample = [None if w is None else b.flat[w[:_SAMPLE]] for b, w in zip(self.model.buckets,
-                                                                                         self._written)]
+            for b, w in zip(self.model.buckets, self._written):
+                b.seal(w)
 
     def discard_round(self):
         self._written = [None] * len(self._written)  # the framework overwrites the buckets (NaN)

@@ -115,6 +115,9 @@ class QAdam(Algorithm):
 
     def after_backward(self):
         self._synced = True
+        if self.step >= self.warmup_steps:
+            for b in self.model.buckets:
+                b.seal()
 
     def before_step(self):
         """After warm-up, Adam's update from the averaged momentum and the frozen v."""
@@ -125,6 +128,12 @@ class QAdam(Algorithm):
         if not synced:
             raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
                                "first (its momentum is what the ranks exchange)")
+        if any(b.changed() for b in self.model.buckets):
+            raise RuntimeError(
+                "qadam: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."
+                "clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own edit). After the warm-up "
+                ".grad holds the ranks' averaged Adam momentum, not a gradient, so clipping or rescaling it "
+                "is not what it does under DDP; leave .grad as backward left it")
         with torch.no_grad():
             for group in optimizer.param_groups:
                 lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]

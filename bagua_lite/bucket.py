@@ -4,6 +4,9 @@ from typing import List
 import torch
 
 
+_SEAL_SAMPLE = 64  # entries Bucket.seal keeps: a uniform rescale changes every nonzero one
+
+
 class Bucket:
     """A flat buffer holding the gradients of ``params`` back to back, in bucket order.
 
@@ -31,9 +34,27 @@ class Bucket:
         self.flat = torch.zeros(n, dtype=self.dtype, device=self.device)
         self._views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.ops = []
+        self._sealed = None
 
     def view(self, i: int) -> torch.Tensor:
         return self._views[i]
+
+    def seal(self, where: torch.Tensor = None) -> None:
+        """Remember the result as this round left it, so :meth:`changed` can tell whether ``.grad`` was
+        changed in place before the optimizer's step: clipping moves the version counter, a loss scaler's
+        ``unscale_`` does not but rescales every entry, so a few entries are kept too (``where``: indices
+        to keep, e.g. a sparse result's written entries; default the first ones)."""
+        idx = None if where is None else where[:_SEAL_SAMPLE]
+        sample = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE].clone()
+        self._sealed = (self.flat._version, sample, idx)
+
+    def changed(self) -> bool:
+        """Whether the flat buffer was changed in place since :meth:`seal` (False if never sealed)."""
+        if self._sealed is None:
+            return False
+        version, sample, idx = self._sealed
+        now = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE]
+        return self.flat._version != version or not torch.equal(now, sample)
 
     def nbytes(self) -> int:
         return self.numel * self.flat.element_size()

@@ -24,11 +24,13 @@ import hashlib
 import json
 import math
 import time
+import weakref
 from typing import Union
 
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C, comm, runtime
 from ._failfast import FailFast, PeerFailedError
@@ -47,13 +49,33 @@ def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
+_LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
+_FOREIGN_HOOK = []
+
+
+def _refuse_foreign_step(optimizer, args, kwargs):
+    """A global optimizer step pre-hook: an optimizer other than a live model's own that would step that
+    model's parameters is refused, since the model's step accounting, refusals and algorithm hooks ride on
+    its own optimizer (a second optimizer's step would apply gradients no algorithm saw through)."""
+    for model in list(_LIVE):
+        if optimizer is model.optimizer:
+            continue
+        mine = model._param_ids
+        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            raise RuntimeError(
+                f"bagua_lite: a {type(optimizer).__name__} steps parameters of a DistributedModel built with "
+                f"another optimizer ({type(model.optimizer).__name__}); a DistributedModel takes one optimizer "
+                f"for all its parameters: give it one optimizer with several param groups")
+
+
 def _take_closure(optimizer, args, kwargs):
-    """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call."""
+    """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call; ``args[0]`` is the
+    optimizer itself (as torch hands them to a step pre-hook)."""
     if kwargs.get("closure") is not None:
         kwargs = dict(kwargs)
         return kwargs.pop("closure"), args, kwargs
-    if args and callable(args[0]):
-        return args[0], args[1:], kwargs
+    if len(args) > 1 and callable(args[1]):
+        return args[1], args[:1] + tuple(args[2:]), kwargs
     return None, args, kwargs
 
 
@@ -143,6 +165,10 @@ class DistributedModel(torch.nn.Module):
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(lambda *_: self._after_step())]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._param_ids = {id(p) for p in module.parameters()}
+        if not _FOREIGN_HOOK:
+            _FOREIGN_HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_step))
+        _LIVE.add(self)
         self.algorithm = algorithm
         self._install(algorithm)
 
@@ -254,6 +280,7 @@ class DistributedModel(torch.nn.Module):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        _LIVE.discard(self)
         try:
             self.algorithm.close()
         finally:

@@ -1,0 +1,315 @@
+"""Every loop shape a framework drives, under every algorithm: bit for bit the plain loop, or refused.
+
+The plain loop is ``loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()``. Each
+shape trains the same model from the same start on the same batches and must end with the same weights
+and optimizer state, to the bit, on every rank, or raise on every rank with an error that names what it
+refuses before the optimizer changed anything:
+
+- ``closure``: ``opt.step(closure)`` with zero_grad, forward and backward inside (PyTorch Lightning's
+  automatic optimization);
+- ``zero_grad_keep``: ``zero_grad(set_to_none=False)``;
+- ``param_groups``: the same hyper-parameters split over two param groups;
+- ``grad_scaler``: ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` at a power-of-two
+  scale that does not change (exact in float32); refused where ``.grad`` holds more than a gradient
+  (momentum correction, qadam after its warm-up), because a change of scale would mis-weight the state;
+  fp16 on the wire rounds the scaled values (as DDP's fp16 hook does), so it is within fp16 rounding;
+- ``no_sync``: two micro-batches, the first backward under ``no_sync()``, against one backward through
+  both micro-batches' forwards;
+- ``compile``: ``torch.compile`` of the wrapped model (backend "eager": dynamo's tracing, torch's kernels).
+
+``clip_grad_norm_`` between backward and step is checked on its own (there is no plain loop to compare
+with): it must clip what DDP clips, so the norm it returns is the same on every rank for synchronous
+algorithms, or it is refused. The asynchronous algorithm runs its (synchronous) warm-up here: its
+averaging thread's timing makes its later steps differ run to run by design.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite import cost_model as cm
+from bagua_lite.algorithms import build
+
+STEPS = 6
+ZERO_MACHINE = cm.Machine(0.0, 0.0, 0.0, 0.0).__dict__
+
+ALGORITHMS = {
+    "gradient_allreduce": ("gradient_allreduce", {}, "sgd"),
+    "fp16": ("gradient_allreduce", {"compression": "fp16"}, "sgd"),
+    "bytegrad": ("gradient_allreduce", {"compression": "minmax_uint8"}, "sgd"),
+    "topk": ("topk", {"density": 0.2}, "sgd"),
+    "topk_no_correction": ("topk", {"density": 0.2, "momentum_correction": 0}, "sgd"),
+    "gtopk": ("gtopk", {"density": 0.2, "warmup_densities": [0.5], "warmup_steps_per_stage": 2}, "sgd"),
+    "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0}, "sgd"),
+    "qadam": ("qadam", {"warmup_steps": 2}, "adam"),
+    "local_sgd": ("local_sgd", {"period": 2}, "sgd"),
+    "decentralized": ("decentralized", {}, "sgd"),
+    "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd"),
+    "async_warmup": ("async_model_average", {"warmup_steps": 100, "sync_interval_ms": 50}, "sgd"),
+    "auto_topk": ("auto", {"candidates": [{"name": "topk", "density": 0.2}], "probe_steps": 0, "compute_s": 0.01,
+                           "network": {"alpha": 1e-5, "beta": 1e-9}, "machine": ZERO_MACHINE}, "sgd"),
+}
+SYNCHRONOUS = {"gradient_allreduce", "fp16", "bytegrad", "topk", "topk_no_correction", "gtopk", "powersgd", "qadam",
+               "async_warmup", "auto_topk"}
+# .grad holds the momentum-corrected sparse update (or qadam's averaged momentum), not a gradient
+REFUSE_RESCALED_GRAD = {"topk", "gtopk", "auto_topk", "qadam"}
+SHAPES = ("closure", "zero_grad_keep", "param_groups", "grad_scaler", "no_sync", "compile")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 24), torch.nn.ReLU())
+        self.head = torch.nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _batch(rank, step, micro=0):
+    g = torch.Generator().manual_seed(rank * 7919 + step * 31 + micro * 7 + 3)
+    x = torch.randn(8, 12, generator=g)
+    return x, (x[:, :5] * 3).argmax(1)
+
+
+def _optimizer(kind, net, groups=1):
+    params = list(net.parameters())
+    parts = [params[:2], params[2:]] if groups == 2 else [params]
+    if kind == "adam":
+        return torch.optim.Adam([{"params": p} for p in parts], lr=1e-2)
+    return torch.optim.SGD([{"params": p} for p in parts], lr=0.05, momentum=0.9, weight_decay=0.01)
+
+
+def _state(net, opt):
+    weights = [p.detach().clone() for p in net.parameters()]
+    buffers = [v.clone() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return weights, buffers
+
+
+def _same(a, b):
+    return len(a[0]) == len(b[0]) and len(a[1]) == len(b[1]) and \
+        all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1]))
+
+
+def _train(rank, label, shape):
+    """STEPS steps of ``shape`` (None: the plain loop). Returns (state, None) or (None, (step, error))."""
+    name, options, kind = ALGORITHMS[label]
+    net = Net()
+    opt = _optimizer(kind, net, groups=2 if shape == "param_groups" else 1)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    run = torch.compile(model, backend="eager") if shape == "compile" else model
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6) if shape == "grad_scaler" else None
+    refused = None
+    try:
+        for s in range(STEPS):
+            x, y = _batch(rank, s)
+            before = _state(net, opt)
+            try:
+                if shape == "closure":
+                    def closure():
+                        opt.zero_grad()
+                        loss = F.cross_entropy(run(x), y)
+                        loss.backward()
+                        return loss
+                    opt.step(closure)
+                    continue
+                if shape == "no_sync":
+                    x2, y2 = _batch(rank, s, micro=1)
+                    with model.no_sync():
+                        (F.cross_entropy(run(x), y) / 2).backward()
+                    (F.cross_entropy(run(x2), y2) / 2).backward()
+                elif shape == "grad_scaler":
+                    scaler.scale(F.cross_entropy(run(x), y)).backward()
+                else:
+                    F.cross_entropy(run(x), y).backward()
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+            except RuntimeError as e:
+                refused = (s, str(e), _same(before, _state(net, opt)))
+                break
+            opt.zero_grad(set_to_none=shape != "zero_grad_keep")
+    finally:
+        model.close()
+    return (None, refused) if refused else (_state(net, opt), None)
+
+
+def _plain_no_sync(rank, label):
+    """The reference for ``no_sync``: both micro-batches' forwards, one synchronised backward."""
+    name, options, kind = ALGORITHMS[label]
+    net = Net()
+    opt = _optimizer(kind, net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    for s in range(STEPS):
+        (x, y), (x2, y2) = _batch(rank, s), _batch(rank, s, micro=1)
+        (F.cross_entropy(model(x), y) / 2 + F.cross_entropy(model(x2), y2) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    return _state(net, opt)
+
+
+def _r_matrix(rank, P, labels):
+    out = {}
+    for label in labels:
+        plain, _ = _train(rank, label, None)
+        for shape in SHAPES:
+            reference = _plain_no_sync(rank, label) if shape == "no_sync" else plain
+            state, refused = _train(rank, label, shape)
+            if refused:
+                out[(label, shape)] = ("refused", refused)
+            elif _same(state, reference):
+                out[(label, shape)] = ("identical", None)
+            else:
+                out[(label, shape)] = ("DIFFERENT", max(float((a - b).abs().max()) for a, b in zip(state[0], reference[0])))
+    return out
+
+
+def _expected(label, shape):
+    if shape == "grad_scaler" and label in REFUSE_RESCALED_GRAD:
+        return "refused"
+    if shape == "grad_scaler" and label == "fp16":
+        # fp16 on the wire rounds the scaled gradient, as DDP's fp16_compress_hook does under a scaler:
+        # fewer of its small entries fall below fp16's normal range, so the result differs by fp16 rounding
+        return "close"
+    return "identical"
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("labels", [["gradient_allreduce", "fp16", "bytegrad", "powersgd", "async_warmup"],
+                                    ["topk", "topk_no_correction", "gtopk", "auto_topk", "qadam"],
+                                    ["local_sgd", "decentralized", "low_precision_decentralized"]],
+                         ids=["dense", "sparse_and_momentum", "local"])
+def test_every_loop_shape_is_the_plain_loop_or_refused(clusters, P, labels):
+    res = clusters.get(P).run(_r_matrix, labels, timeout=600)
+    problems = []
+    for (label, shape), (outcome, refused) in res[0].items():
+        outcomes = [r[(label, shape)] for r in res]
+        if _expected(label, shape) == "refused":
+            for r, (o, ref) in enumerate(outcomes):
+                # refused on every rank, at the first step, naming the cause, before anything changed
+                at = ALGORITHMS[label][1].get("warmup_steps", 0) if label == "qadam" else 0  # dense in warm-up
+                if o != "refused" or ref[0] != at or not ref[2] or "GradScaler" not in ref[1]:
+                    problems.append(f"{label}/{shape} rank {r}: expected a refusal, got {o} {ref}")
+        elif _expected(label, shape) == "close":
+            if any(o == "refused" or (o == "DIFFERENT" and ref > 1e-3) for o, ref in outcomes):
+                problems.append(f"{label}/{shape}: beyond fp16 rounding: {outcomes}")
+        elif any(o != "identical" for o, _ in outcomes):
+            problems.append(f"{label}/{shape}: {[o for o, _ in outcomes]} {[ref for _, ref in outcomes]}")
+    assert not problems, "\n".join(problems)
+
+
+def _r_clip(rank, P, label):
+    name, options, kind = ALGORITHMS[label]
+    net = Net()
+    opt = _optimizer(kind, net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    norms, refused = [], None
+    for s in range(STEPS):
+        x, y = _batch(rank, s)
+        F.cross_entropy(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)))
+        try:
+            opt.step()
+        except RuntimeError as e:
+            refused = (s, str(e))
+            break
+        opt.zero_grad()
+    model.close()
+    return norms, refused
+
+
+@pytest.mark.parametrize("label", sorted(ALGORITHMS))
+def test_clip_grad_norm_clips_the_averaged_gradient_or_is_refused(clusters, label):
+    res = clusters.get(3).run(_r_clip, label, timeout=120)
+    if label in REFUSE_RESCALED_GRAD and label != "qadam":
+        for r, (_, refused) in enumerate(res):
+            assert refused and refused[0] == 0 and "clip_grad_norm_" in refused[1], (r, refused)
+        return
+    if label == "qadam":  # .grad is Adam's averaged momentum after warm-up: clipping it is refused there
+        for r, (_, refused) in enumerate(res):
+            assert refused and refused[0] == ALGORITHMS["qadam"][1]["warmup_steps"] and "clip" in refused[1], (r, refused)
+        return
+    assert all(refused is None for _, refused in res), res
+    if label in SYNCHRONOUS:  # the norm of the averaged gradient: the same on every rank
+        assert all(norms == res[0][0] for norms, _ in res), [n for n, _ in res]
+    else:  # local steps: each rank clips its own gradient, as it would alone
+        assert len({tuple(norms) for norms, _ in res}) == 3, [n for n, _ in res]
+
+
+def _r_two_optimizers(rank, P):
+    net = Net()
+    opt = torch.optim.SGD(net.body.parameters(), lr=0.1)
+    other = torch.optim.SGD(net.head.parameters(), lr=0.1)
+    model = bagua_lite.DistributedModel(net, opt, "gradient_allreduce")
+    x, y = _batch(rank, 0)
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    head = [p.detach().clone() for p in net.head.parameters()]
+    try:
+        other.step()
+        msg = None
+    except RuntimeError as e:
+        msg = str(e)
+    unchanged = all(torch.equal(p, q) for p, q in zip(net.head.parameters(), head))
+    model.close()
+    other.step()  # a closed model no longer guards its parameters
+    return msg, unchanged
+
+
+def test_a_second_optimizer_over_the_models_parameters_is_refused(clusters):
+    for r, (msg, unchanged) in enumerate(clusters.get(2).run(_r_two_optimizers, timeout=60)):
+        assert msg and "DistributedModel" in msg and "one optimizer" in msg, (r, msg)
+        assert unchanged, r
+
+
+def _r_auto_is_its_pick(rank, P, candidate):
+    """auto deciding at set-up (probe_steps 0) against its pick built alone: same weights, state and
+    optimizer state after training, bit for bit."""
+    name, opts = candidate["name"], {k: v for k, v in candidate.items() if k != "name"}
+    kind = "adam" if name == "qadam" else "sgd"
+    states = []
+    for alg in (build(name, **opts), build("auto", candidates=[candidate], probe_steps=0, compute_s=0.01,
+                                            network={"alpha": 1e-5, "beta": 1e-9}, machine=ZERO_MACHINE)):
+        net = Net()
+        opt = _optimizer(kind, net)
+        model = bagua_lite.DistributedModel(net, opt, alg, bucket_size_mb=0.001)
+        for s in range(8):
+            x, y = _batch(rank, s)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        states.append((_state(net, opt), copy.deepcopy(model.algorithm.state_dict()), type(model.algorithm).__name__))
+        model.close()
+    (a, sa, ta), (b, sb, tb) = states
+    return _same(a, b), _equal_tree(sa, sb), ta, tb
+
+
+def _equal_tree(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_equal_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+AUTO_CANDIDATES = [{"name": "gradient_allreduce"}, {"name": "gradient_allreduce", "compression": "fp16"},
+                   {"name": "topk", "density": 0.1}, {"name": "gtopk", "density": 0.1},
+                   {"name": "powersgd", "rank": 2, "min_compression_rate": 1.0}, {"name": "qadam", "warmup_steps": 3},
+                   {"name": "local_sgd", "period": 3}, {"name": "decentralized"},
+                   {"name": "low_precision_decentralized"}]
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+def test_auto_trains_exactly_as_its_pick(clusters, P):
+    for cand in AUTO_CANDIDATES:
+        for r, (weights, state, alone, picked) in enumerate(clusters.get(P).run(_r_auto_is_its_pick, cand, timeout=120)):
+            assert alone == picked, (cand, alone, picked)
+            assert weights and state, f"{cand}: rank {r}: auto's pick trained differently from the candidate alone"
