@@ -8,9 +8,6 @@ the weights averaged over all ranks every `period` steps.
 each rank's change since the last average, compressed with error feedback (see
 :mod:`bagua_lite.averaging`), so ``minmax_uint8`` moves a quarter of the bytes without quantizing weights.
 """
-import torch
-import torch.distributed as dist
-
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
@@ -55,20 +52,10 @@ class LocalSGD(Algorithm):
             self.model.run_collective("local_sgd weight average", self._average)  # fails fast on a peer's failure
 
     def _average(self):
-        self._check_in_step()
+        # ranks average when *their* step count says so: a rank a step ahead would pair its average with
+        # the others' one step apart and the replicas would silently differ
+        self.model.check_in_step("nothing was averaged")
         self.averager.average(self.process_group)
-
-    def _check_in_step(self):
-        """Ranks average when *their* step count says so: a rank that took one step more or less would
-        pair its average with the others' one step apart and the replicas would silently differ. One
-        allreduce of two integers per average (against the model's weights) makes every rank raise."""
-        t = torch.tensor([self.step, -self.step], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
-        hi, lo = int(t[0]), -int(t[1])
-        if hi != lo:
-            raise RuntimeError(f"local_sgd: ranks are out of step at a weight average: their step counts range "
-                               f"from {lo} to {hi} (this is rank {self.model.rank}, at step {self.step}); every "
-                               f"rank must call optimizer.step() once per step, the same number of times")
 
     def state_dict(self):
         return {"step": self.step, "averager": self.averager.state_dict()}

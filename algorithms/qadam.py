@@ -63,7 +63,8 @@ class QAdam(Algorithm):
         mine = {p for b in model.buckets for p in b.params}
         self._groups = {p: g for g in opt.param_groups for p in g["params"] if p in mine}
         self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]
-        self._backups = [torch.empty_like(b.flat) for b in model.buckets]
+        # checkpointed, and as before the round if it is discarded (a rank's gradient was non-finite)
+        self.register_state("residuals", self.residuals, rollback=True)
         # sqrt(v_hat) + eps per parameter, made once at the freeze (v is constant afterwards), and one
         # scratch buffer for the step: nothing of the model's size is allocated per step
         self._denoms = {}
@@ -82,21 +83,13 @@ class QAdam(Algorithm):
             def compressed(flat):  # a user's Python compressor
                 comm.compressed_allreduce(flat, self.compressor, group=pg, residual=residual)
 
-        backup = self._backups[bucket.index]
-
         def qadam_allreduce(flat, b=bucket.index):  # Op.run releases the GIL for the collective
             if self.step < self.warmup_steps:
                 return dense(flat)
             if b in self.nonfinite_buckets:  # the round is discarded on every rank: travel as zeros
                 flat.zero_()
-            backup.copy_(residual)  # error feedback's residual as before the round, if it is discarded
             compressed(flat)
         return [qadam_allreduce]
-
-    def discard_round(self):
-        if self.step >= self.warmup_steps:
-            for residual, backup in zip(self.residuals, self._backups):
-                residual.copy_(backup)
 
     def on_gradient(self, bucket, position, grad):
         if self.step < self.warmup_steps:  # gradient averaging, as gradient_allreduce
@@ -171,11 +164,3 @@ class QAdam(Algorithm):
             raise RuntimeError(f"qadam: a parameter of shape {tuple(p.shape)} has no Adam state after warm-up "
                                f"(it needs at least one optimizer step with a gradient during warm-up)")
         return state
-
-    def state_dict(self):
-        return {"step": self.step, "residuals": [r.clone() for r in self.residuals]}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-        for dst, src in zip(self.residuals, state.get("residuals", [])):
-            dst.copy_(src)

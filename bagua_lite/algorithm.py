@@ -75,6 +75,7 @@ class Algorithm:
         self.model = None
         #: buckets whose incoming gradient held inf/NaN on this rank in the current round
         self.nonfinite_buckets = set()
+        self._kept = {}  # register_state: name -> (tensors, their backups or None)
 
     def __init_subclass__(cls, **kwargs):
         """Record the options of every instance, however it is made (``build(...)`` or ``GTopK(...)``), so
@@ -173,11 +174,45 @@ class Algorithm:
         """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""
 
     # ---- state -------------------------------------------------------------------------------------------
+    def register_state(self, name: str, tensors: List[torch.Tensor], rollback: bool = False) -> None:
+        """Declare per-rank state (error-feedback residuals, momenta) that the framework keeps for you: it
+        is in ``state_dict()`` and restored by ``load_state_dict()`` (so checkpoints resume it bit for bit),
+        and with ``rollback=True`` it is copied before every synchronised round and copied back when the
+        round is discarded (some rank's gradient was non-finite), into buffers allocated once."""
+        if not isinstance(name, str) or not name or name == "step":
+            raise ValueError(f"{self.name}: register_state needs a name other than 'step', got {name!r}")
+        tensors = list(tensors)
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            raise TypeError(f"{self.name}: register_state({name!r}) takes a list of tensors")
+        self._kept[name] = (tensors, [torch.empty_like(t) for t in tensors] if rollback else None)
+
+    def _begin_round(self) -> None:
+        for tensors, backups in self._kept.values():
+            if backups is not None:
+                for b, t in zip(backups, tensors):
+                    b.copy_(t)
+
+    def _roll_back(self) -> None:
+        for tensors, backups in self._kept.values():
+            if backups is not None:
+                for b, t in zip(backups, tensors):
+                    t.copy_(b)
+
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        """The step count and every :meth:`register_state` tensor (copies)."""
+        state = {"step": self.step}
+        for name, (tensors, _) in self._kept.items():
+            state[name] = [t.clone() for t in tensors]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        for name, (tensors, _) in self._kept.items():
+            saved = state.get(name)
+            if saved is None or len(saved) != len(tensors):
+                raise ValueError(f"{self.name}: the saved state has no {name!r} of {len(tensors)} tensors")
+            for t, s in zip(tensors, saved):
+                t.copy_(s)
 
     # ---- conveniences for subclasses -----------------------------------------------------------------
     @property

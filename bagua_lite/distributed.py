@@ -360,6 +360,7 @@ class DistributedModel(torch.nn.Module):
             self._backward_active = True
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
+            self.algorithm._begin_round()  # register_state(rollback=True): before any bucket op runs
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _gather_ints(self, values, group=None):
@@ -403,6 +404,7 @@ class DistributedModel(torch.nn.Module):
         firsts = [row[0] for row in rows]
         msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
         if msg:
+            self.algorithm._roll_back()
             self.algorithm.discard_round()
             self._failfast.announce(msg)  # the model is failed: forward() and optimizer.step() refuse
             raise RuntimeError(msg)
@@ -417,6 +419,7 @@ class DistributedModel(torch.nn.Module):
         if not ranks:
             self.algorithm.commit_round()
             return
+        self.algorithm._roll_back()
         self.algorithm.discard_round()
         with torch.no_grad():
             for b in self.buckets:

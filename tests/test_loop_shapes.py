@@ -313,3 +313,48 @@ def test_auto_trains_exactly_as_its_pick(clusters, P):
         for r, (weights, state, alone, picked) in enumerate(clusters.get(P).run(_r_auto_is_its_pick, cand, timeout=120)):
             assert alone == picked, (cand, alone, picked)
             assert weights and state, f"{cand}: rank {r}: auto's pick trained differently from the candidate alone"
+
+
+def _r_only_no_sync(rank, P, label):
+    name, options, kind = ALGORITHMS[label]
+    net = Net()
+    opt = _optimizer(kind, net)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    x, y = _batch(rank, 0)
+    with model.no_sync():
+        F.cross_entropy(model(x), y).backward()
+    before = _state(net, opt)
+    try:
+        opt.step()
+        msg = None
+    except RuntimeError as e:
+        msg = str(e)
+    unchanged = _same(before, _state(net, opt))
+    model.close()
+    return msg, unchanged
+
+
+@pytest.mark.parametrize("label", ["gradient_allreduce", "gtopk", "qadam", "local_sgd", "decentralized"])
+def test_a_step_after_only_no_sync_backwards_is_refused(clusters, label):
+    """DDP applies such a step silently and the replicas drift apart; algorithms that keep gradients local
+    (local SGD, decentralized) have nothing to synchronise and step as they always do."""
+    res = clusters.get(3).run(_r_only_no_sync, label, timeout=60)
+    for r, (msg, unchanged) in enumerate(res):
+        if label in ("local_sgd", "decentralized"):
+            assert msg is None and not unchanged, (r, msg)
+        else:
+            assert msg and "no_sync()" in msg and unchanged, (r, msg)
+
+
+def _r_lbfgs(rank, P):
+    net = Net()
+    try:
+        bagua_lite.DistributedModel(net, torch.optim.LBFGS(net.parameters()), "gradient_allreduce")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_lbfgs_is_refused(clusters):
+    for r, msg in enumerate(clusters.get(2).run(_r_lbfgs, timeout=60)):
+        assert msg and "LBFGS" in msg and "closure" in msg, (r, msg)
