@@ -17,32 +17,9 @@ import time
 import torch
 import torch.distributed as dist
 
-
-def digits_shards(rank, world_size, seed=0):
-    """The digits data set (ships with scikit-learn), 80/20 split, training set sharded by rank."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32) / 16.0
-    y = torch.tensor(y, dtype=torch.long)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    x, y = x[perm], y[perm]
-    n_test = len(x) // 5
-    return x[n_test:][rank::world_size], y[n_test:][rank::world_size], x[:n_test], y[:n_test]
-
-
-def make_mlp(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
-                               torch.nn.Linear(64, 10))
-
-
-def optimizer_momentum(algorithm, momentum=0.9):
-    """The optimizer's SGD momentum for ``algorithm``: ``momentum``, unless the algorithm was given its own
-    (topk/gtopk with a number ``momentum_correction > 0``): then 0, plain SGD, so that momentum is applied
-    once. With their default, ``momentum_correction: optimizer``, they take the optimizer's momentum."""
-    mc = getattr(algorithm, "momentum_correction", 0.0)
-    return 0.0 if isinstance(mc, float) and mc > 0 else momentum
+from .bench.config import optimizer_momentum
+from .bench.data import digits_shards
+from .bench.zoo import make_mlp
 
 
 def train_digits(cfg, epochs=20, batch_size=16, lr=0.05, momentum=0.9, schedule="cosine", seed=0):

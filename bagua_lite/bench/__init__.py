@@ -1,6 +1,7 @@
 """The benchmark tool, kept apart from the training runtime: ``python -m bagua_lite.bench --config ...``.
 
 ``config``   the YAML matrix, validated before any process starts
+``cells``    one cell's model: ours or a DDP baseline
 ``runner``   launches the ranks (one network namespace each on emulated links) and times the cells
 ``report``   summary rows, tables, projections, JSON/CSV and plots
 ``zoo``      the models it trains (real architectures in plain torch.nn) and ``data`` their batches

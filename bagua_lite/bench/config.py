@@ -205,6 +205,14 @@ def _label(name, options, optimizer="sgd"):
     return f"{name}({short}){suffix}"
 
 
+def optimizer_momentum(algorithm, momentum=0.9):
+    """The optimizer's SGD momentum for ``algorithm``: ``momentum``, unless the algorithm was given its own
+    (topk/gtopk with a number ``momentum_correction > 0``): then 0, plain SGD, so that momentum is applied
+    once. With their default, ``momentum_correction: optimizer``, they take the optimizer's momentum."""
+    mc = getattr(algorithm, "momentum_correction", 0.0)
+    return 0.0 if isinstance(mc, float) and mc > 0 else momentum
+
+
 def make_optimizer(kind, params, lr=None, momentum=0.9):
     """The optimizer of a cell: ``sgd`` (lr 0.01, ``momentum``), ``adam`` (lr 1e-3), ``adamw`` (lr 1e-3,
     torch's default weight decay 0.01); ``lr`` (the config's) overrides the default rate."""

@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from .cells import wrap
 from .data import evaluate, loss_fn, make_task
 from .zoo import fresh_model
 
@@ -51,7 +52,6 @@ def reached(metric, value, target):
 
 def run_cell(cell, cfg, model_name, task, rank, world):
     """Train one cell to its target or budget; returns the record's measured fields (same on every rank)."""
-    from .runner import wrap
 
     gc.collect()
     net, _ = fresh_model(model_name, cfg["seed"])

@@ -6,7 +6,7 @@ the same for every algorithm (same seed) and on every rank's view:
 
 ``digits``   scikit-learn's digits (ships with it, no download; ``mlp_digits``): an 80/20 split of the
              1797 8x8 images, the training part sharded by rank and reshuffled every epoch (seeded), the
-             359 held-out images for the metric. The demo's split (``bagua_lite.demo.digits_shards``).
+             359 held-out images for the metric. The demo's split (``digits_shards``).
 ``teacher``  every other classifier: random inputs of the model's input shape (``_inputs``), labelled by a
              fixed random *teacher* network (flat inputs: 64 ReLU units then 10 logits; images: 16 random 3x3
              filters, ReLU, the mean over the image, 10 logits: translation-invariant, as a CNN is), its logits standardised per class on
@@ -66,10 +66,21 @@ class Task:
         raise NotImplementedError
 
 
+def digits_shards(rank, world_size, seed=0):
+    """The digits data set (ships with scikit-learn), 80/20 split, training set sharded by rank."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32) / 16.0
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm], y[perm]
+    n_test = len(x) // 5
+    return x[n_test:][rank::world_size], y[n_test:][rank::world_size], x[:n_test], y[:n_test]
+
+
 class DigitsTask(Task):
     def __init__(self, rank, world, batch_size, seed=0):
-        from ..demo import digits_shards
-
         self.x, self.y, self.eval_x, self.eval_y = digits_shards(rank, world, seed)
         n_train = 1797 - 1797 // 5
         # the same number of steps per epoch on every rank (the shards differ by at most one sample)

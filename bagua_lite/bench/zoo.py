@@ -199,6 +199,13 @@ def fresh_model(name, seed=0):
     return copy.deepcopy(net), spec
 
 
+def make_mlp(seed=0):
+    """The digits MLP of the demo and the convergence benchmark (64 -> 128 -> 64 -> 10)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64), torch.nn.ReLU(),
+                               torch.nn.Linear(64, 10))
+
+
 def make_model(name, seed=0):
     """(module, InputSpec) of a benchmark model, with weights from ``seed``."""
     torch.manual_seed(seed)
@@ -208,7 +215,6 @@ def make_model(name, seed=0):
     if name == "mlp_small":  # for quick runs and tests
         return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10)), InputSpec((256,))
     if name == "mlp_digits":  # the demo's MLP on scikit-learn's digits (8x8 images, 10 classes): 17,226 parameters
-        from ..demo import make_mlp
         return make_mlp(seed), InputSpec((64,), task="digits")
     if name == "cnn":  # compute-heavy: ~0.3M parameters, many FLOPs per byte
         return nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
