@@ -6,7 +6,7 @@
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
 from . import (async_model_average, decentralized, gradient_allreduce, gtopk, local_sgd,  # noqa: F401
-               powersgd, qadam, topk)  # (register the built-ins)
+               low_precision_decentralized, powersgd, qadam, topk)  # (register the built-ins)
 from . import auto  # noqa: F401,E402  (last: it builds the others by name)
 
 __all__ = ["Algorithm", "build", "register", "registered"]

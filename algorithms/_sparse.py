@@ -41,6 +41,7 @@ from typing import List, Sequence
 import torch
 
 from bagua_lite import _C, kernels
+from bagua_lite import cost_model as cm
 from bagua_lite.algorithm import Algorithm
 
 OPTIMIZER = "optimizer"  # momentum_correction's default (None means it too): the optimizer's momentum and decay
@@ -73,6 +74,28 @@ class ErrorFeedbackSparsifier(Algorithm):
         self.warmup_steps_per_stage = warmup_steps_per_stage
         self.momentum_correction = momentum_correction if momentum_correction == OPTIMIZER else float(momentum_correction)
         self.layerwise = layerwise
+
+    @classmethod
+    def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
+        """Per bucket on the engine, overlapped with backward: the selection of k = density n entries (at
+        the bounded rate where the bucket has block maxima: one selection, k at most a quarter of its
+        64-entry blocks), error feedback and the output's clearing (2 passes), momentum correction (a
+        pass, unless momentum_correction is 0), and the subclass's exchange (``sparse_traffic``)."""
+        def comm_(n, i):
+            return cls.sparse_traffic(o, P, cm.k_of(o["density"], n), elem_bytes, rank)[0]
+
+        def local(n, i):
+            add, k = machine.add_s_per_elem, cm.k_of(o["density"], n)
+            mc = 0.0 if o["momentum_correction"] == 0 else n * add
+            bounded = machine.topk_bounded_s_per_elem and not o["layerwise"] and 4 * k <= -(-n // 64)
+            select = n * (machine.topk_bounded_s_per_elem if bounded else machine.topk_s_per_elem)
+            return select + 2 * n * add + mc + cls.sparse_traffic(o, P, k, elem_bytes, rank, machine)[1]
+        return cm.Traffic("buckets", *cm.per_bucket(numels, P, comm_, local, machine))
+
+    @classmethod
+    def sparse_traffic(cls, o, P, k, elem_bytes, rank, machine=None):
+        """(message triple, local seconds after the selection) of exchanging k (value, index) pairs."""
+        raise NotImplementedError
 
     @property
     def step_dependent_wire(self):

@@ -33,6 +33,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from bagua_lite import cost_model as cm
 from bagua_lite._failfast import POLL_S
 from bagua_lite._groups import group_timeout
 from bagua_lite.algorithm import Algorithm, register
@@ -59,6 +60,15 @@ class AsyncModelAverage(Algorithm):
         self._lock = threading.Lock()  # optimizer.step() vs. snapshot / apply
         self._round = threading.Lock()  # a whole round vs. state_dict / load_state_dict
         self._step_locked = False      # the training thread holds _lock (only it reads or writes this)
+
+    @classmethod
+    def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
+        """After the warm-up: a background weight average every sync_interval_ms plus its own length, and
+        the go-on flag's allreduce; local: snapshot, copy, apply as x + avg - snapshot (2 passes)."""
+        n, c = sum(numels), o["compression"]
+        local = cm.weight_average_s(c, P, n, machine, apply_passes=2) if machine is not None else 0.0
+        return cm.Traffic("background", exchange=cm.weight_average(c, P, n, elem_bytes, None), local_s=local,
+                          interval_s=o["sync_interval_ms"] / 1000.0, extra_latencies=2 * (P - 1), warmup=True)
 
     @property
     def step_dependent_wire(self):

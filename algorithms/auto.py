@@ -84,11 +84,10 @@ class Auto(Algorithm):
         super().__init__()
         self.candidates = cost_model.normalize_candidates(candidates)
         for name, opts in self.candidates:
-            if name in _NOT_CANDIDATES or name not in cost_model.PREDICTABLE:
-                raise ValueError(f"auto: candidate {name!r} is not allowed; choose among "
+            if name in _NOT_CANDIDATES or name not in registered() or not cost_model.predictable(name):
+                raise ValueError(f"auto: candidate {name!r} is not allowed: a candidate is a registered algorithm "
+                                 f"that describes its traffic (Algorithm.traffic), such as "
                                  + ", ".join(n for n in cost_model.PREDICTABLE if n not in _NOT_CANDIDATES))
-            if name not in registered():
-                raise ValueError(f"auto: candidate {name!r} is not a registered algorithm")
             build(name, **opts)  # validate the options now, before any traffic
         if not isinstance(probe_steps, int) or probe_steps < 0:
             raise ValueError(f"auto: probe_steps must be an int >= 0, got {probe_steps!r}")

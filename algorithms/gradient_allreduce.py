@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch
 
 from bagua_lite import _C, comm, compressors
+from bagua_lite import cost_model as cm
 from bagua_lite._groups import new_group_like
 from bagua_lite.algorithm import Algorithm, register
 
@@ -30,6 +31,24 @@ class GradientAllReduce(Algorithm):
         self.compression = compression
         self.hierarchical = hierarchical
         self.ranks_per_node = ranks_per_node
+
+    @classmethod
+    def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
+        """Per bucket, overlapped with backward. none: a ring allreduce of the bucket, and the divide; fp16:
+        a ring allreduce of the half-precision bucket, cast there and back; any other compressor: the
+        compressed allreduce (CA) with its local work and, where it keeps error feedback, its residual.
+        hierarchical is predicted as the flat ring (a gap of the model)."""
+        c, e = o["compression"], elem_bytes
+        if c == "fp16" and not o["hierarchical"]:
+            comm_, local = (lambda n, i: cm.ring(2 * n, P)), \
+                (lambda n, i: n * (machine.fp16_s_per_elem + machine.add_s_per_elem))
+        elif c == "none":
+            comm_, local = (lambda n, i: cm.ring(n * e, P)), (lambda n, i: n * machine.add_s_per_elem if P > 1 else 0.0)
+        else:
+            feedback = cm.compressor_info(c)[2]
+            comm_ = lambda n, i: cm.compressed_allreduce(c, P, n, rank)  # noqa: E731
+            local = lambda n, i: cm.compressed_allreduce_s(c, P, n, machine, residual=feedback)  # noqa: E731
+        return cm.Traffic("buckets", *cm.per_bucket(numels, P, comm_, local, machine))
 
     def init(self, model):
         feedback = self.compressor is not None and self.compressor.error_feedback

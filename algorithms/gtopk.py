@@ -14,6 +14,7 @@ Algorithm 1 of the paper, per bucket (G: the bucket's flat gradient, eps: its re
 import torch
 
 from bagua_lite import comm, kernels
+from bagua_lite import cost_model as cm
 from bagua_lite.algorithm import register
 
 from ._sparse import ErrorFeedbackSparsifier
@@ -26,6 +27,24 @@ class GTopK(ErrorFeedbackSparsifier):
                  exact: bool = False):
         super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction, layerwise)
         self.exact = exact
+
+    @classmethod
+    def sparse_traffic(cls, o, P, k, e, rank, machine=None):
+        """Recursive doubling: log2 P' swaps of k pairs (P' the largest power of two <= P; the other ranks
+        fold in first and receive last: 2 more messages on the critical path); each received message is
+        merged (2k pairs), then the scatter of k. ``exact``: plus a ring allreduce of k values."""
+        msg, core = k * (e + 4), cm.pow2_core(P)
+        L, r = core.bit_length() - 1, 0 if rank is None else rank
+        sent = (L + (1 if r + core < P else 0)) if r < core else 1
+        b, lat = sent * msg, L + (2 if P > core else 0)
+        crit = lat * msg
+        if o["exact"]:
+            b, lat, crit = b + cm.ring_bytes(k * e, P), lat + 2 * (P - 1), crit + cm.ring_bytes(k * e, P)
+        local = 0.0
+        if machine is not None:
+            merge = machine.merge_s_per_elem or 4 * machine.topk_s_per_elem
+            local = (L + (1 if P > core else 0)) * 2 * k * merge + k * machine.add_s_per_elem
+        return (b, lat, crit), local
 
     def aggregate(self, values, indices, acc, flat, bucket):
         k = values.numel()

@@ -8,6 +8,7 @@ the weights averaged over all ranks every `period` steps.
 each rank's change since the last average, compressed with error feedback (see
 :mod:`bagua_lite.averaging`), so ``minmax_uint8`` moves a quarter of the bytes without quantizing weights.
 """
+from bagua_lite import cost_model as cm
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
@@ -34,6 +35,15 @@ class LocalSGD(Algorithm):
     @property
     def step_dependent_wire(self):
         return self.warmup_steps > 0  # what travels changes when the warm-up ends
+
+    @classmethod
+    def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
+        """After the warm-up: one weight average every ``period`` steps after the step, nothing overlapped
+        (a ring allreduce of the weights, or the compressed allreduce of their change)."""
+        n, c = sum(numels), o["compression"]
+        local = cm.weight_average_s(c, P, n, machine, apply_passes=1) if machine is not None else 0.0
+        return cm.Traffic("after_step", exchange=cm.weight_average(c, P, n, elem_bytes, rank), local_s=local,
+                          every=o["period"], warmup=True)
 
     def init(self, model):
         self.averager = WeightAverager(model.params, self.compression, "local_sgd")

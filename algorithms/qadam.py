@@ -26,6 +26,7 @@ model diverges with it. Use it where every coordinate's v is well away from 0.
 import torch
 
 from bagua_lite import comm, compressors
+from bagua_lite import cost_model as cm
 from bagua_lite.algorithm import Algorithm, register
 
 
@@ -45,6 +46,17 @@ class QAdam(Algorithm):
         self.compressor = compressors.get_compressor(compression, "qadam")
         self.warmup_steps, self.compression = warmup_steps, compression
         self._synced = False
+
+    @classmethod
+    def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
+        """After the warm-up (dense, as gradient_allreduce): each bucket's momentum through the compressed
+        allreduce with a residual, on the engine; the momentum (in the gradient hook) and the update
+        (before the step) are 3 passes on the training thread, never hidden."""
+        c = o["compression"]
+        comms, locals_ = cm.per_bucket(numels, P, lambda n, i: cm.compressed_allreduce(c, P, n, rank),
+                                       lambda n, i: cm.compressed_allreduce_s(c, P, n, machine, residual=True), machine)
+        serial = 3 * sum(numels) * machine.add_s_per_elem if machine is not None else 0.0
+        return cm.Traffic("buckets", comms, locals_, serial_s=serial, warmup=True)
 
     @property
     def step_dependent_wire(self):

@@ -12,6 +12,13 @@ from ._sparse import ErrorFeedbackSparsifier
 
 @register("topk")
 class TopK(ErrorFeedbackSparsifier):
+    @classmethod
+    def sparse_traffic(cls, o, P, k, e, rank, machine=None):
+        """One allgather of [k, dtype as 2 int64][k values][k int32] from each of the P - 1 others; then
+        the scatter of the P k pairs."""
+        b = (P - 1) * (16 + k * (e + 4))
+        return (b, P - 1, b), (P * k * machine.add_s_per_elem if machine is not None else 0.0)
+
     def aggregate(self, values, indices, acc, flat, bucket):
         kernels.ef_remove_(acc, indices)                      # residual = acc minus what we send
         # every rank's selection, pre-divided by P (k divisions instead of n), summed into the bucket in

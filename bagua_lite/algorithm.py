@@ -229,6 +229,17 @@ class Algorithm:
         from . import _C
         return _C
 
+    @classmethod
+    def traffic(cls, options: dict, P: int, bucket_numels: List[int], elem_bytes: int = 4, machine=None,
+                rank=None):
+        """What this algorithm moves per step on ``P`` ranks and the local work around it, as a
+        :class:`bagua_lite.cost_model.Traffic` (``options``: every option, defaults filled in; ``machine``:
+        the per-element costs, None when only bytes are asked; ``rank``: whose bytes, None for the
+        busiest). The cost model times it with its network and machine formulas, so an algorithm that
+        describes its traffic is predicted, compared in the benchmark and can be one of auto's candidates.
+        Not described by default (the cost model then says it cannot predict it)."""
+        raise NotImplementedError(f"{cls.name} does not describe its traffic")
+
     def options(self) -> dict:
         """The options this instance was built with (used to check all ranks run the same config)."""
         return dict(getattr(self, "_options", {}))

@@ -21,8 +21,12 @@ interface, which is exactly this). Notation, per bucket of ``n`` elements of ``e
     c_i       = n // P + (i < n % P)                         (chunk i of a compressed allreduce)
     P'        = the largest power of two <= P,   L = log2 P'
 
-Every algorithm, what travels per step (``bytes_per_rank`` = what ``bagua_lite.comm.bytes_sent()``
-counts on the busiest rank, summed over buckets; the latency term counts sequential messages):
+What travels is each algorithm's own description: its ``traffic`` classmethod returns a :class:`Traffic`
+(message triples built from :func:`ring`, :func:`compressed_allreduce`, :func:`weight_average`, and local
+work from :class:`Machine`), and this module times it (the overlap, shared cores, rounds: below). A user's
+algorithm that describes its traffic is predicted and can be one of auto's candidates. What the built-ins
+and the DDP baselines describe, per step (``bytes_per_rank`` = what ``bagua_lite.comm.bytes_sent()`` counts
+on the busiest rank, summed over buckets; the latency term counts sequential messages):
 
 =====================  ==========================================================================
 ``ddp``                torch DDP, ring allreduce per bucket: ring(m) bytes, T_ring(m); local: one
@@ -128,7 +132,7 @@ counts on the busiest rank, summed over buckets; the latency term counts sequent
                        predicted under ``net``.
 =====================  ==========================================================================
 
-Options not given take the algorithm's defaults (kept in ``_DEFAULTS``, equal to algorithms/*.py); an
+Options not given take the registered algorithm's defaults (read from its signature); an
 unknown algorithm, compression or peer_selection, and combinations the algorithms refuse (compression
 with shift_one, low_precision_decentralized or qadam without compression), raise ValueError. On P = 1
 nothing is sent; the after-step averaging algorithms are taken as doing no local work either.
@@ -229,17 +233,21 @@ _BUILTIN_WIRE = {
 }
 _BUILTIN_FEEDBACK = ("sign",)  # compressors that ask for error-feedback memory
 
-# Defaults of the algorithms' options that change what is predicted (kept equal to algorithms/*.py; the
-# tests compare them with the registered classes' signatures).
-_DEFAULTS = {
-    "decentralized": {"peer_selection": "ring", "communication_interval": 1, "compression": "none"},
-    "low_precision_decentralized": {"peer_selection": "ring_one_way", "communication_interval": 1,
-                                    "compression": "minmax_uint8"},
-    "local_sgd": {"period": 4, "compression": "none"},
-    "qadam": {"compression": "fp16"},
-    "powersgd": {"rank": 4, "min_compression_rate": 2.0},
-    "async_model_average": {"sync_interval_ms": 500, "compression": "none"},
-}
+
+def _defaults(name) -> dict:
+    """The registered algorithm's option defaults, read from its signature (none for the DDP baselines)."""
+    import inspect
+
+    from . import algorithms  # noqa: F401  (registers the built-ins)
+    from .algorithm import _REGISTRY
+
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        return {}
+    return {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items()
+            if k != "self" and p.default is not inspect.Parameter.empty}
+
+
 _PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
 _QADAM_EXTRA_PASSES = 3  # momentum (in the gradient hook) and the update (step pre-hook), per element
 
@@ -428,17 +436,17 @@ def calibrate_machine(numel=1 << 22, repeats=5) -> Machine:
 
 
 # ---- traffic ---------------------------------------------------------------------------------------------------
-def _ring(nbytes: int, P: int) -> int:
+def ring_bytes(nbytes: int, P: int) -> int:
     """Bytes one rank sends in a ring allreduce, as csrc/collectives/process_group_ops.cpp counts them."""
     return 2 * (P - 1) * int(nbytes) // P if P > 1 and nbytes > 0 else 0
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
     """Rounded up to 8 bytes, as wire buffers handed to Python compressors and decentralized's are."""
     return (int(nbytes) + 7) // 8 * 8
 
 
-def _compressor(compression):
+def compressor_info(compression):
     """(wire_bytes(n), native, error_feedback) of a compression: a built-in by its formula, anything else
     looked up in :mod:`bagua_lite.compressors` (a user's registered compressor); ValueError when unknown."""
     if isinstance(compression, str) and compression in _BUILTIN_WIRE:
@@ -451,12 +459,12 @@ def _compressor(compression):
     return comp.wire_bytes, bool(comp.native), bool(comp.error_feedback)
 
 
-def _wire(compression, n: int) -> int:
+def wire_bytes(compression, n: int) -> int:
     """Bytes of ``n`` elements compressed with ``compression``."""
-    return int(_compressor(compression)[0](int(n)))
+    return int(compressor_info(compression)[0](int(n)))
 
 
-def _codec_s(compression, machine) -> float:
+def codec_s(compression, machine) -> float:
     """One compress + decompress round trip, seconds per element (a user's compressor: as minmax_uint8)."""
     if compression == "fp16":
         return machine.fp16_s_per_elem
@@ -467,18 +475,18 @@ def _codec_s(compression, machine) -> float:
     return machine.quantize_s_per_elem
 
 
-def _k(density: float, n: int) -> int:
+def k_of(density: float, n: int) -> int:
     return max(1, min(n, int(round(float(density) * n))))
 
 
-def _core(P: int) -> int:
+def pow2_core(P: int) -> int:
     c = 1
     while c * 2 <= P:
         c *= 2
     return c
 
 
-def _side(n: int) -> int:
+def side(n: int) -> int:
     """The side of the square matrix a bucket of n elements is taken as when no shapes are given."""
     return max(1, int(round(math.sqrt(n))))
 
@@ -490,43 +498,27 @@ def _powersgd_sizes(options, n):
         rows = sum(int(s[0]) for s in shapes)
         cols = sum(int(s[1]) for s in shapes)
     else:
-        rows = cols = _side(n)
+        rows = cols = side(n)
     return r, rows * r, cols * r, int(options.get("uncompressed", 0))
 
 
-def _options(name, options):
-    """The options with the algorithm's defaults filled in, checked where a wrong value would mislead."""
-    o = dict(_DEFAULTS.get(name, {}))
-    o.update(options)
-    if "compression" in o and o["compression"] != "none":
-        _compressor(o["compression"])  # unknown names: ValueError now
-    if name in ("decentralized", "low_precision_decentralized"):
-        if o["peer_selection"] not in _PEER_SELECTIONS:
-            raise ValueError(f"cost_model: {name}: peer_selection={o['peer_selection']!r} is not allowed; "
-                             f"choose one of {', '.join(_PEER_SELECTIONS)}")
-        if o["compression"] != "none" and o["peer_selection"] == "shift_one":
-            raise ValueError(f"cost_model: {name}: compression needs fixed neighbours, not 'shift_one'")
-        if name == "low_precision_decentralized" and o["compression"] == "none":
-            raise ValueError("cost_model: low_precision_decentralized: compression must be a compressor, not 'none'")
-    if name == "qadam" and o["compression"] in (None, "none"):
-        raise ValueError("cost_model: qadam: compression must be a compressor, not 'none'")
-    for key in ("communication_interval", "period", "rank"):
-        if key in o and not (isinstance(o[key], int) and o[key] >= 1):
-            raise ValueError(f"cost_model: {name}: {key} must be an int >= 1, got {o[key]!r}")
-    if name == "async_model_average" and not o["sync_interval_ms"] > 0:
-        raise ValueError(f"cost_model: async_model_average: sync_interval_ms must be > 0, "
-                         f"got {o['sync_interval_ms']!r}")
-    return o
+def ring(nbytes: int, P: int) -> Tuple[int, int, int]:
+    """(bytes a rank sends, sequential latency terms, critical-path bytes) of a ring allreduce of
+    ``nbytes``: ring(m) bytes, T_ring(m)."""
+    if P <= 1 or nbytes <= 0:
+        return 0, 0, 0
+    b = ring_bytes(nbytes, P)
+    return b, 2 * (P - 1), b
 
 
-def _compressed_allreduce(compression, P, n, rank):
+def compressed_allreduce(compression, P, n, rank):
     """(bytes ``rank`` sends (None: the busiest), sequential latency terms, critical-path bytes) of
     comm.compressed_allreduce of n elements: the all-to-all of compressed chunks, then the allgather of
     the reduced chunks padded to chunk 0's wire. A Python compressor's buffers are padded to 8 bytes."""
     if P <= 1 or n <= 0:
         return 0, 0, 0
-    wire, native, _ = _compressor(compression)
-    size = (lambda c: int(wire(c))) if native else (lambda c: _aligned(wire(c)))  # noqa: E731
+    wire, native, _ = compressor_info(compression)
+    size = (lambda c: int(wire(c))) if native else (lambda c: aligned(wire(c)))  # noqa: E731
     sizes = [size(n // P + (1 if i < n % P else 0)) for i in range(P)]
     total = sum(sizes)
     per_rank = [total - sizes[i] + (P - 1) * sizes[0] for i in range(P)]
@@ -534,29 +526,29 @@ def _compressed_allreduce(compression, P, n, rank):
     return (busiest if rank is None else per_rank[rank]), 2 * (P - 1), busiest
 
 
-def _compressed_allreduce_s(compression, P, n, machine, residual):
+def compressed_allreduce_s(compression, P, n, machine, residual):
     """Local work of one compressed allreduce of n elements: compress n (1 + 1/P), decompress 2n; with a
     residual (error feedback) also add it, decompress what was sent and subtract: + n/2 round trips and
     2 passes."""
     if P <= 1:
         return 0.0
-    codec = _codec_s(compression, machine)
+    codec = codec_s(compression, machine)
     t = n * codec * (3 + 1 / P) / 2
     if residual:
         t += n * (codec / 2 + 2 * machine.add_s_per_elem)
     return t
 
 
-def _average_comm(compression, P, n, e, rank):
+def weight_average(compression, P, n, e, rank):
     """One weight average (bagua_lite.averaging): a ring allreduce of the weights, or the compressed
     allreduce of their change since the last average."""
     if compression == "none":
-        b = _ring(n * e, P)
+        b = ring_bytes(n * e, P)
         return b, 2 * (P - 1), b
-    return _compressed_allreduce(compression, P, n, rank)
+    return compressed_allreduce(compression, P, n, rank)
 
 
-def _average_local_s(compression, P, n, machine, apply_passes):
+def weight_average_s(compression, P, n, machine, apply_passes):
     """Local work of one weight average: snapshot, copy into the work buffer, apply (local_sgd: 1 pass,
     async: 2). Compressed: snapshot, x - anchor, + anchor, anchor copy, apply, and the compressed allreduce
     with its residual."""
@@ -565,215 +557,148 @@ def _average_local_s(compression, P, n, machine, apply_passes):
     add = machine.add_s_per_elem
     if compression == "none":
         return (2 + apply_passes) * n * add
-    return (4 + apply_passes) * n * add + _compressed_allreduce_s(compression, P, n, machine, True)
+    return (4 + apply_passes) * n * add + compressed_allreduce_s(compression, P, n, machine, True)
 
 
-def _decentralized_comm(o, P, n, e):
-    """(bytes a busy rank sends, sequential latency terms, critical-path bytes) of one weight exchange."""
-    if P <= 1 or n <= 0:
-        return 0, 0, 0
-    c, mode = o["compression"], o["peer_selection"]
-    unit = n * e if c == "none" else _aligned(_wire(c, n))  # decentralized pads its wire buffers to 8
-    if mode == "all":
-        if c == "none":  # ring allreduce of the weights
-            b = _ring(unit, P)
-            return b, 2 * (P - 1), b
-        b = (P - 1) * unit  # ring allgather of every rank's compressed difference
-        return b, P - 1, b
-    peers = _decentralized_peers(o, P)  # the sends share the rank's link
-    return peers * unit, 1, peers * unit
+@dataclass
+class Traffic:
+    """What an algorithm moves in one steady-state step and the local work around it, as the algorithm
+    describes it (``Algorithm.traffic``); the cost model turns it into time with its network and machine
+    formulas. A triple ``(bytes sent, sequential latency terms, critical-path bytes)`` describes one
+    message pattern (see :func:`ring`, :func:`compressed_allreduce`, :func:`weight_average`).
+
+    ``when``:
+      ``buckets``          every step, bucket by bucket as backward makes them ready (pipelined on the
+                           engine behind backward: the overlap formula in the module docstring);
+      ``end_of_backward``  every step, one message once backward is over (nothing overlapped);
+      ``with_step``        an exchange every ``every`` steps, started when forward starts and waited for
+                           after the optimizer step (overlapped with the whole step);
+      ``after_step``       an exchange every ``every`` steps after the optimizer step (not overlapped);
+      ``background``       a thread's exchange every ``interval_s`` plus its own length (never waited for).
+    """
+    when: str
+    buckets: Sequence[Tuple[float, int, float]] = ()  # buckets/end_of_backward: per bucket
+    bucket_local_s: Sequence[float] = ()              # ... its local work on the engine
+    serial_s: float = 0.0     # per step, on the training thread, never hidden
+    exchange: Tuple[float, int, float] = (0, 0, 0)    # with_step / after_step / background: one exchange
+    local_s: float = 0.0      # the exchange's work on the training thread
+    thread_s: float = 0.0     # with_step: its work on its own thread
+    first_s: float = 0.0      # with_step: its work before its wire starts
+    every: int = 1            # steps per exchange
+    messages: int = 0         # with_step: messages whose latency is protocol work on shared cores
+    interval_s: float = 0.0   # background: the pause between rounds
+    extra_latencies: int = 0  # background: small collectives per round beside the data
+    rounds: bool = True       # pays Machine.round_s: one of our synchronous rounds (not torch DDP's reducer)
+    warmup: bool = False      # starts with dense steps: the prediction adds ``warmup_step_s``
+
+    def bytes_per_step(self) -> float:
+        if self.when in ("buckets", "end_of_backward"):
+            return float(sum(b[0] for b in self.buckets))
+        return self.exchange[0] / self.every
 
 
-def _decentralized_peers(o, P):
-    """Peers a rank sends its weights to in one exchange (not ``all``)."""
-    return 2 if o["peer_selection"] == "ring" and P >= 3 else 1
+def per_bucket(numels, P, comm, local=None, machine=None) -> Tuple[list, list]:
+    """(message triples, local seconds) of ``comm(n, i)`` and ``local(n, i)`` over the buckets: no message
+    on P = 1 or for an empty bucket; no local time without a ``machine`` (bytes only)."""
+    comms = [(0, 0, 0) if P <= 1 or n <= 0 else comm(int(n), i) for i, n in enumerate(numels)]
+    locals_ = [local(int(n), i) if local is not None and machine is not None else 0.0 for i, n in enumerate(numels)]
+    return comms, locals_
 
 
-_FIRST_CHUNK = 1 << 20  # algorithms/decentralized.py's FIRST_CHUNK: packed before the wire starts
+# ---- the DDP baselines (torch's DDP with its comm hooks: not ours, so described here) -----------------------
+def _ddp(options, P, numels, e, machine, rank):
+    comms, locals_ = per_bucket(numels, P, lambda n, i: ring(n * e, P), lambda n, i: n * machine.add_s_per_elem,
+                                machine)
+    return Traffic("buckets", comms, locals_, rounds=False)
 
 
-def _decentralized_local_s(o, P, n, machine):
-    """(local work on the training thread, on the exchange's background thread, before the wire starts) of
-    one exchange. Exact: all on the training thread. Compressed: the thread packs and unpacks."""
-    if P <= 1:
-        return 0.0, 0.0, 0.0
-    add, mode = machine.add_s_per_elem, o["peer_selection"]
-    receivers = (P - 1) if mode == "all" else (2 if mode == "ring" and P >= 3 else 1)
-    if o["compression"] == "none":
-        # gather x_t; all: copy into the allreduce buffer, else sum the peers' (receivers - 1 adds);
-        # subtract k x_t; apply to the parameters
-        passes = 4 if mode == "all" else receivers + 2
-        return passes * n * add, 0.0, 0.0
-    codec = _codec_s(o["compression"], machine)
-    # thread: x_t - x_hat; compress; decompress every received q and our own; nbr_sum - d x_hat.
-    # training thread: apply. Before the wire: the first chunk's x_t - x_hat and compression.
-    return n * add, n * (2 * add + codec * (receivers + 2) / 2), min(n, _FIRST_CHUNK) * (add + codec / 2)
+def _ddp_fp16(options, P, numels, e, machine, rank):
+    comms, locals_ = per_bucket(numels, P, lambda n, i: ring(2 * n, P),
+                                lambda n, i: n * (machine.fp16_s_per_elem + machine.add_s_per_elem), machine)
+    return Traffic("buckets", comms, locals_, rounds=False)
 
 
-def _powersgd_plan(o, n, index):
-    """(r, [(rows, cols) of each compressed matrix], dense elements) of bucket ``index`` of n elements.
-
-    With the cost-model-only option ``bucket_shapes`` (per bucket, its parameters' shapes) exactly as
-    algorithms/powersgd.py splits it; otherwise one matrix of _side(n) rows (as ddp_powersgd's sizing)
-    and n // rows columns, the few leftover elements dense."""
-    r, rate = int(o["rank"]), float(o["min_compression_rate"])
-    if o.get("bucket_shapes") is not None:
-        shapes = o["bucket_shapes"]
-        if index is None or index >= len(shapes):
-            raise ValueError("cost_model: powersgd: bucket_shapes must list every bucket's parameter shapes")
-        mats, dense = [], 0
-        for s in shapes[index]:
-            s = [int(d) for d in s]
-            numel = math.prod(s)
-            if len(s) >= 2 and s[0] > 0 and numel >= rate * (s[0] + numel // s[0]) * r:
-                mats.append((s[0], numel // s[0]))
-            else:
-                dense += numel
-        if sum(a * b for a, b in mats) + dense != n:
-            raise ValueError(f"cost_model: powersgd: bucket_shapes[{index}] holds "
-                             f"{sum(a * b for a, b in mats) + dense} elements, the bucket {n}")
-        return r, mats, dense
-    rows = _side(n)
-    cols = n // rows
-    if rows * cols >= rate * (rows + cols) * r:
-        return r, [(rows, cols)], n - rows * cols
-    return r, [], n
+def _ddp_powersgd(options, P, numels, e, machine, rank):
+    """One bucket, ready at the end of backward: no overlap."""
+    n = sum(int(x) for x in numels)
+    r, p_elems, q_elems, unc = _powersgd_sizes(options, n)
+    parts = [ring(4 * p_elems, P), ring(4 * q_elems, P)] + ([ring(unc * e, P)] if unc else [])
+    comm = (sum(x[0] for x in parts), sum(x[1] for x in parts), sum(x[2] for x in parts)) if P > 1 and n > 0 \
+        else (0, 0, 0)
+    local = 0.0
+    if machine is not None and P > 1:
+        add = machine.add_s_per_elem
+        local = max(3 * 2.0 * n * r * machine.matmul_s_per_flop, 3 * n * add) + 4 * n * add
+    return Traffic("end_of_backward", [comm], [local])
 
 
-def _fp16_ring(name, options) -> bool:
-    """A ring allreduce of the half-precision bucket: torch's fp16 hook, and gradient_allreduce's fp16."""
-    return name == "ddp_fp16" or (name == "gradient_allreduce" and options.get("compression") == "fp16"
-                                  and not options.get("hierarchical", False))
+_BASELINES = {"ddp": _ddp, "ddp_fp16": _ddp_fp16, "ddp_powersgd": _ddp_powersgd}
 
 
-def _bucket_comm(name, options, P, n, e, rank, index=None):
-    """(bytes sent by ``rank``, sequential latency terms, transfer bytes on the critical path) of one
-    bucket's collective(s) in one step (``index``: the bucket's position, for powersgd's shapes)."""
-    if P <= 1 or n <= 0:
-        return 0, 0, 0
-    m = n * e
-    if name == "ddp" or (name == "gradient_allreduce" and options.get("compression", "none") == "none"):
-        b = _ring(m, P)
-        return b, 2 * (P - 1), b
-    if _fp16_ring(name, options):
-        b = _ring(2 * n, P)
-        return b, 2 * (P - 1), b
-    if name == "ddp_powersgd":
-        r, p_elems, q_elems, unc = _powersgd_sizes(options, n)
-        parts = [_ring(4 * p_elems, P), _ring(4 * q_elems, P)] + ([_ring(unc * e, P)] if unc else [])
-        return sum(parts), 2 * (P - 1) * len(parts), sum(parts)
-    if name == "powersgd":
-        r, mats, dense = _powersgd_plan(_options(name, options), n, index)
-        p_elems, q_elems = sum(a * r for a, _ in mats), sum(b * r for _, b in mats)
-        parts = (([_ring(p_elems * e, P)] if mats else [])
-                 + ([_ring((q_elems + dense) * e, P)] if q_elems + dense else []))
-        return sum(parts), 2 * (P - 1) * len(parts), sum(parts)
-    if name == "gradient_allreduce":
-        return _compressed_allreduce(options["compression"], P, n, rank)
-    if name == "qadam":
-        return _compressed_allreduce(_options(name, options)["compression"], P, n, rank)
-    if name == "topk":
-        k = _k(options.get("density", 0.001), n)
-        b = (P - 1) * (16 + k * (e + 4))
-        return b, P - 1, b
-    if name == "gtopk":
-        k = _k(options.get("density", 0.001), n)
-        msg = k * (e + 4)
-        core = _core(P)
-        L = core.bit_length() - 1
-        r = 0 if rank is None else rank
-        msgs = (L + (1 if r + core < P else 0)) if r < core else 1
-        b = msgs * msg
-        lat = L + (2 if P > core else 0)
-        crit = lat * msg
-        if options.get("exact", False):
-            b += _ring(k * e, P)
-            lat += 2 * (P - 1)
-            crit += _ring(k * e, P)
-        return b, lat, crit
-    raise ValueError(f"cost_model: cannot predict {name!r}; predictable: {', '.join(PREDICTABLE)}")
+# ---- from an algorithm to its traffic ------------------------------------------------------------------------
+def _algorithm_class(name):
+    from . import algorithms  # noqa: F401  (registers the built-ins)
+    from .algorithm import Algorithm, _REGISTRY
+
+    cls = _REGISTRY.get(name)
+    if cls is None or getattr(cls.traffic, "__func__", None) is Algorithm.traffic.__func__:
+        return None
+    return cls
+
+
+def predictable(name: str) -> bool:
+    """Whether the cost model can predict ``name``: a DDP baseline, auto, or a registered algorithm that
+    describes its traffic (``Algorithm.traffic``)."""
+    return name in _BASELINES or name == "auto" or _algorithm_class(name) is not None
 
 
 def _check_name(algorithm):
-    if algorithm not in PREDICTABLE:
-        raise ValueError(f"cost_model: cannot predict {algorithm!r}; predictable: {', '.join(PREDICTABLE)}")
+    if not isinstance(algorithm, str) or not predictable(algorithm):
+        raise ValueError(f"cost_model: cannot predict {algorithm!r}: it is neither a DDP baseline nor a registered "
+                         f"algorithm that describes its traffic (Algorithm.traffic); predictable: "
+                         f"{', '.join(PREDICTABLE)}")
 
 
-_DECENTRALIZED = ("decentralized", "low_precision_decentralized")
+def _options(name, options):
+    """The options with the algorithm's defaults filled in, checked by the algorithm itself (its
+    constructor: the same errors as building it); options it does not take (the cost-model-only
+    ``bucket_shapes``) are passed through."""
+    defaults = _defaults(name)
+    cls = _algorithm_class(name)
+    if cls is not None:
+        cls(**{k: v for k, v in options.items() if k in defaults})
+    return {**defaults, **options}
+
+
+def traffic_of(algorithm: str, options: dict, P: int, bucket_numels: Sequence[int], elem_bytes: int = 4,
+               machine: Optional["Machine"] = None, rank: Optional[int] = None) -> Traffic:
+    """The :class:`Traffic` of ``algorithm`` with ``options`` (defaults filled in) on ``P`` ranks."""
+    _check_name(algorithm)
+    options = dict(options or {})
+    numels = [int(n) for n in bucket_numels]
+    if algorithm in _BASELINES:
+        return _BASELINES[algorithm](options, P, numels, elem_bytes, machine, rank)
+    return _algorithm_class(algorithm).traffic(_options(algorithm, options), P, numels, elem_bytes, machine, rank)
 
 
 def bytes_per_rank(algorithm: str, options: dict, P: int, bucket_numels: Sequence[int], elem_bytes: int = 4,
                    rank: Optional[int] = None) -> float:
     """Bytes ``rank`` (None: the busiest rank) sends per step, as ``bagua_lite.comm.bytes_sent()`` counts
     them for our algorithms (torch's own traffic for the ddp baselines). Periodic exchanges (local_sgd
-    after warm-up, decentralized with an interval) are amortised per step, so may be fractional.
-    ``async_model_average``'s bytes per step depend on the step time: take them from :func:`predict`."""
+    after warm-up, decentralized with an interval) are amortised per step, so may be fractional. A
+    background exchange's bytes per step depend on the step time: take them from :func:`predict`."""
     _check_name(algorithm)
-    options = dict(options or {})
-    n_total = sum(int(b) for b in bucket_numels)
     if algorithm == "auto":
         raise ValueError("cost_model.bytes_per_rank: resolve 'auto' with choose() first")
-    if algorithm == "async_model_average":
-        raise ValueError("cost_model.bytes_per_rank: async_model_average's bytes per step depend on the step "
-                         "time; take predict(...)['bytes_per_rank'] (or its 'bytes_per_round')")
-    if algorithm in _DECENTRALIZED:
-        o = _options(algorithm, options)
-        return _decentralized_comm(o, P, n_total, elem_bytes)[0] / o["communication_interval"]
-    if algorithm == "local_sgd":
-        o = _options(algorithm, options)
-        return _average_comm(o["compression"], P, n_total, elem_bytes, rank)[0] / o["period"]
-    if algorithm == "ddp_powersgd":
-        return float(_bucket_comm(algorithm, options, P, n_total, elem_bytes, rank)[0])
-    return float(sum(_bucket_comm(algorithm, options, P, int(n), elem_bytes, rank, i)[0]
-                     for i, n in enumerate(bucket_numels)))
+    t = traffic_of(algorithm, options, P, bucket_numels, elem_bytes, None, rank)
+    if t.when == "background":
+        raise ValueError(f"cost_model.bytes_per_rank: {algorithm}'s bytes per step depend on the step time "
+                         f"(its exchange runs in the background); take predict(...)['bytes_per_rank'] (or its "
+                         f"'bytes_per_round')")
+    return t.bytes_per_step()
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
-def _local_s(name, options, P, n, machine, index=None):
-    """Local work on one bucket run by the engine (compression, selection, averaging), seconds."""
-    add, topk = machine.add_s_per_elem, machine.topk_s_per_elem
-    merge = machine.merge_s_per_elem or 4 * topk
-    if name == "ddp":
-        return n * add
-    if _fp16_ring(name, options):
-        return n * (machine.fp16_s_per_elem + add)
-    if name == "ddp_powersgd":
-        r, p_elems, q_elems, _ = _powersgd_sizes(options, n)
-        flops = 3 * 2.0 * n * r
-        mm = max(flops * machine.matmul_s_per_flop, 3 * n * add)
-        return mm + 4 * n * add
-    if name == "powersgd":
-        r, mats, dense = _powersgd_plan(_options(name, options), n, index)
-        flop, t = machine.matmul_s_per_flop, 0.0
-        for rows, cols in mats:
-            N = rows * cols
-            t += N * add                                  # M <- G + e
-            t += 4 * max(2.0 * N * r * flop, N * add)     # M Q, M^T P, M - P Q^T, G <- P Q^T
-            t += 2.0 * rows * r * r * flop                # QR of P
-        q_elems = sum(cols * r for _, cols in mats)
-        return t + (3 * dense + q_elems) * add           # dense in and out of the wire; the mean's divide
-    if name == "gradient_allreduce":
-        c = options.get("compression", "none")
-        if c == "none":
-            return n * add if P > 1 else 0.0
-        return _compressed_allreduce_s(c, P, n, machine, residual=_compressor(c)[2])
-    if name == "qadam":
-        return _compressed_allreduce_s(_options(name, options)["compression"], P, n, machine, residual=True)
-    if name in ("topk", "gtopk"):
-        k = _k(options.get("density", 0.001), n)
-        mc = 0.0 if options.get("momentum_correction") == 0 else n * add  # default: the optimizer's momentum
-        # the selection reads only the blocks that can hold the top k where it has block maxima (one
-        # selection per bucket, k at most a quarter of its 64-element blocks; algorithms/_sparse.py)
-        bounded = machine.topk_bounded_s_per_elem and not options.get("layerwise") and 4 * k <= -(-n // 64)
-        base = n * (machine.topk_bounded_s_per_elem if bounded else topk) + 2 * n * add + mc  # acc += g; output zeroed
-        if name == "topk":
-            return base + P * k * add
-        core = _core(P)
-        rounds = (core.bit_length() - 1) + (1 if P > core else 0)
-        return base + rounds * 2 * k * merge + k * add
-    raise AssertionError(name)
-
-
 def _pipeline(engine_s: List[float], numels: List[int], backward_s: float) -> float:
     """Exposed time of buckets run in order on one worker as backward makes them ready."""
     total = sum(numels) or 1
@@ -798,20 +723,14 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
     Returns ``step_s``, ``compute_s``, ``compression_s`` (local work: compression, selection,
     averaging), ``comm_s`` (network), ``hidden_s`` (the part of compression + comm overlapped with
     compute) and ``bytes_per_rank`` (busiest rank, per step); algorithms with a warm-up add
-    ``warmup_step_s``, async_model_average ``rounds_per_step`` and ``bytes_per_round``. The formulas are
-    in the module docstring.
+    ``warmup_step_s``, background ones ``rounds_per_step`` and ``bytes_per_round``. What travels is the
+    algorithm's own description (:class:`Traffic`); the formulas that time it are in the module docstring.
     """
     _check_name(algorithm)
     options = dict(options or {})
     P = int(P)
     if P < 1:
         raise ValueError(f"cost_model.predict: P must be >= 1, got {P}")
-    e = int(work.elem_bytes)
-    numels = work.buckets()
-    n_total = sum(numels)
-    backward_s = work.backward_fraction * work.compute_s
-    shared = 0 < machine.cores_per_rank < 2  # ranks share cores: CPU work cannot hide behind compute
-
     if algorithm == "auto":
         cands = normalize_candidates(options.get("candidates", DEFAULT_AUTO_CANDIDATES))
         pick_net = Network(**options["network"]) if options.get("network") else net
@@ -823,78 +742,66 @@ def predict(algorithm: str, options: dict, P: int, work: Workload, net: Network,
         out["efficiency"] = picks[i]["efficiency"]
         out["weighted_s"] = out["step_s"] * out["efficiency"]
         return out
+    numels = work.buckets()
+    t = traffic_of(algorithm, options, P, numels, int(work.elem_bytes), machine)
+    extra = {"warmup_step_s": predict("gradient_allreduce", {}, P, work, net, machine)["step_s"]} if t.warmup else {}
+    return _time(t, P, work, numels, net, machine, extra)
 
-    def warmup():  # dense gradient averaging, as gradient_allreduce
-        return {"warmup_step_s": predict("gradient_allreduce", {}, P, work, net, machine)["step_s"]}
 
-    if algorithm == "ddp_powersgd":  # one bucket, ready at the end of backward: no overlap
-        _, lat, crit = _bucket_comm(algorithm, options, P, n_total, e, None)
-        comm = lat * net.alpha + crit * net.beta
-        local = _local_s(algorithm, options, P, n_total, machine) if P > 1 else 0.0
-        return _result(work, local, comm, local + comm, float(_bucket_comm(algorithm, options, P, n_total, e, None)[0]))
-
-    if algorithm in _DECENTRALIZED:  # started when forward starts, waited for after the optimizer step
-        o = _options(algorithm, options)
-        every = o["communication_interval"]
-        _, lat, crit = _decentralized_comm(o, P, n_total, e)
-        if shared and P > 1 and o["peer_selection"] != "all":  # the messages' protocol work runs one after another
-            lat = max(lat, _decentralized_peers(o, P))
+def _time(t: Traffic, P, work, numels, net, machine, extra):
+    backward_s = work.backward_fraction * work.compute_s
+    shared = 0 < machine.cores_per_rank < 2  # ranks share cores: CPU work cannot hide behind compute
+    round_s = machine.round_s if P > 1 and t.rounds else 0.0  # one of our synchronous rounds
+    if t.when == "end_of_backward":
+        _, lat, crit = t.buckets[0]
+        comm, local = lat * net.alpha + crit * net.beta, float(t.bucket_local_s[0])
+        return _result(work, local, comm, local + comm, t.bytes_per_step(), **extra)
+    if t.when == "buckets":  # ours on the engine, or DDP's reducer: overlapped with backward
+        comms = [lat * net.alpha + crit * net.beta for _, lat, crit in t.buckets]
+        locals_ = list(t.bucket_local_s)
+        if shared and net.host_local:  # moving bytes is CPU work too: nothing hides
+            exposed = sum(locals_) + sum(comms)
+        elif shared:  # no spare core: local work adds to the step, waiting still hides
+            exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
+        else:
+            exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
+        return _result(work, sum(locals_) + t.serial_s, sum(comms) + round_s, exposed + t.serial_s + round_s,
+                       t.bytes_per_step(), **extra)
+    b, lat, crit = t.exchange
+    every = t.every
+    if t.when == "with_step":  # started when forward starts, waited for after the optimizer step
+        if shared and P > 1 and t.messages:  # the messages' protocol work runs one after another
+            lat = max(lat, t.messages)
         transfer = lat * net.alpha + crit * net.beta
-        main, thread, first = _decentralized_local_s(o, P, n_total, machine)
-        # the transfer (and a compressed exchange's thread) runs during forward + backward + step; with
-        # shared cores the thread's work is taken from the compute, each message's latency is protocol work
-        # on those cores, and on one host (host_local) the bytes are copies on them too: none of it hides
+        main, thread, first = t.local_s, t.thread_s, t.first_s
+        # the transfer (and the exchange's thread) runs during forward + backward + step; with shared cores
+        # the thread's work is taken from the compute, each message's latency is protocol work on those
+        # cores, and on one host (host_local) the bytes are copies on them too: none of it hides
         busy = work.compute_s + (thread if shared else 0.0)
-        if shared:  # every message's latency is protocol work on the cores that compute
+        if shared:
             rest = crit * net.beta
             exposed = lat * net.alpha + (rest if net.host_local else max(0.0, first + rest - busy))
         else:
             exposed = max(0.0, first + transfer - busy)
-        transfer += machine.round_s if P > 1 else 0.0  # the exchange's wait is a round every rank makes
-        exposed += machine.round_s if P > 1 else 0.0
+        transfer += round_s  # the exchange's wait is a round every rank makes
+        exposed += round_s
         return _result(work, (main + thread) / every, transfer / every,
-                       (main + (thread if shared else 0.0) + exposed) / every,
-                       bytes_per_rank(algorithm, o, P, numels, e))
-
-    if algorithm == "local_sgd":  # after the step, every `period` steps, nothing overlapped
-        o = _options(algorithm, options)
-        every, c = o["period"], o["compression"]
-        _, lat, crit = _average_comm(c, P, n_total, e, None)
-        comm = (lat * net.alpha + crit * net.beta + (machine.round_s if P > 1 else 0.0)) / every
-        local = _average_local_s(c, P, n_total, machine, apply_passes=1) / every
-        return _result(work, local, comm, local + comm, bytes_per_rank(algorithm, o, P, numels, e), **warmup())
-
-    if algorithm == "async_model_average":  # a background thread, every sync_interval_ms; never waited for
-        o = _options(algorithm, options)
-        c = o["compression"]
-        b_round, lat, crit = _average_comm(c, P, n_total, e, None)
-        transfer = lat * net.alpha + crit * net.beta + (2 * (P - 1) * net.alpha)  # + the go-on flag's allreduce
-        local = _average_local_s(c, P, n_total, machine, apply_passes=2)
-        period = o["sync_interval_ms"] / 1000.0 + transfer + local  # one round: sleep, then average
+                       (main + (thread if shared else 0.0) + exposed) / every, t.bytes_per_step(), **extra)
+    if t.when == "after_step":  # after the step, every `every` steps, nothing overlapped
+        comm = (lat * net.alpha + crit * net.beta + round_s) / every
+        local = t.local_s / every
+        return _result(work, local, comm, local + comm, t.bytes_per_step(), **extra)
+    if t.when == "background":  # a thread of its own, every interval_s; never waited for
+        transfer = lat * net.alpha + crit * net.beta + t.extra_latencies * net.alpha
+        local = t.local_s
+        period = t.interval_s + transfer + local  # one round: the pause, then the exchange
         stolen = (local + (transfer if net.host_local else 0.0)) if shared else 0.0  # CPU per round
         step = work.compute_s / (1.0 - stolen / period)  # step = compute + stolen * step / period
         rounds = step / period
-        return _result(work, local * rounds, transfer * rounds, stolen * rounds, b_round * rounds,
-                       rounds_per_step=rounds, bytes_per_round=float(b_round), **warmup())
-
-    # Bucketed gradient algorithms: ours (engine) and DDP's reducer, overlapped with backward.
-    locals_, comms = [], []
-    for i, n in enumerate(numels):
-        _, lat, crit = _bucket_comm(algorithm, options, P, n, e, None, i)
-        comms.append(lat * net.alpha + crit * net.beta)
-        locals_.append(_local_s(algorithm, options, P, n, machine, i))
-    # qadam: momentum in the gradient hook and the update before the step run on the training thread
-    serial = _QADAM_EXTRA_PASSES * n_total * machine.add_s_per_elem if algorithm == "qadam" else 0.0
-    if shared and net.host_local:  # moving bytes is CPU work too: nothing hides
-        exposed = sum(locals_) + sum(comms)
-    elif shared:  # no spare core: local work adds to the step, waiting still hides
-        exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
-    else:
-        exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
-    round_s = machine.round_s if P > 1 and algorithm not in ("ddp", "ddp_fp16") else 0.0  # ours, on the critical path
-    extra = warmup() if algorithm in ("powersgd", "qadam") else {}
-    return _result(work, sum(locals_) + serial, sum(comms) + round_s, exposed + serial + round_s,
-                   bytes_per_rank(algorithm, options, P, numels, e), **extra)
+        return _result(work, local * rounds, transfer * rounds, stolen * rounds, b * rounds,
+                       rounds_per_step=rounds, bytes_per_round=float(b), **extra)
+    raise ValueError(f"cost_model: Traffic.when must be one of buckets, end_of_backward, with_step, after_step, "
+                     f"background; got {t.when!r}")
 
 
 # ---- choosing and projecting -------------------------------------------------------------------------------

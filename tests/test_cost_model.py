@@ -652,7 +652,7 @@ def test_unknown_names_and_refused_combinations_raise():
                ("decentralized", {"compression": "fp16", "peer_selection": "shift_one"}, "shift_one"),
                ("low_precision_decentralized", {"peer_selection": "shift_one"}, "shift_one"),
                ("low_precision_decentralized", {"compression": "none"}, "not 'none'"),
-               ("qadam", {"compression": "none"}, "not 'none'"),
+               ("qadam", {"compression": "none"}, "compression must be a compressor, got 'none'"),
                ("local_sgd", {"period": 0}, "period must be"),
                ("decentralized", {"communication_interval": 0}, "communication_interval must be"),
                ("powersgd", {"rank": 0}, "rank must be"),
@@ -664,11 +664,11 @@ def test_unknown_names_and_refused_combinations_raise():
 
 
 def test_defaults_are_the_algorithms_defaults():
+    # read from the registered classes, so a changed default changes the prediction
     import inspect
-    for name, defaults in cm._DEFAULTS.items():
-        params = inspect.signature(type(build(name)).__init__).parameters
-        for key, value in defaults.items():
-            assert params[key].default == value, (name, key, params[key].default, value)
+    assert cm._defaults("local_sgd")["period"] == inspect.signature(type(build("local_sgd")).__init__).parameters["period"].default
+    assert cm._defaults("low_precision_decentralized")["compression"] == "minmax_uint8"
+    assert cm._defaults("ddp") == {}
     assert {n for n in cm.PREDICTABLE if not n.startswith("ddp")} <= set(bagua_lite.algorithms.registered())
 
 
@@ -1075,3 +1075,63 @@ def test_topk_selection_cost_with_block_maxima():
         assert sel(MACHINE, layerwise=True) == pytest.approx(sel(bounded, layerwise=True)), name
         dense = lambda m: cm.predict(name, {"density": 0.05}, 4, WORK, net, m)["compression_s"]  # noqa: E731
         assert dense(MACHINE) == pytest.approx(dense(bounded)), name  # 4k > blocks: the plain selection
+
+
+@bagua_lite.algorithms.register("users_allreduce_test")
+class _UsersAllreduce(bagua_lite.Algorithm):
+    """A user's algorithm: dense averaging, describing its traffic (one ring allreduce per bucket)."""
+
+    @classmethod
+    def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
+        return cm.Traffic("buckets", *cm.per_bucket(numels, P, lambda n, i: cm.ring(n * elem_bytes, P),
+                                                    lambda n, i: n * machine.add_s_per_elem, machine))
+
+    def on_gradient(self, bucket, position, grad):
+        self.fill(bucket, position, grad, 1.0 / self.world_size)
+
+    def bucket_ops(self, bucket):
+        return [self.native.AllreduceOp(self.process_group, False)]
+
+
+@bagua_lite.algorithms.register("users_silent_test")
+class _UsersSilent(_UsersAllreduce):
+    traffic = bagua_lite.Algorithm.traffic  # describes nothing
+
+
+def test_a_users_algorithm_that_describes_its_traffic_is_predicted():
+    net = cm.Network(5e-5, 8e-9)
+    mine = cm.predict("users_allreduce_test", {}, 4, WORK, net, MACHINE)
+    dense = cm.predict("gradient_allreduce", {}, 4, WORK, net, MACHINE)
+    assert mine["step_s"] == dense["step_s"] and mine["bytes_per_rank"] == dense["bytes_per_rank"] > 0
+    assert cm.predictable("users_allreduce_test") and not cm.predictable("users_silent_test")
+    with pytest.raises(ValueError, match="cannot predict 'users_silent_test'.*describes its traffic"):
+        cm.predict("users_silent_test", {}, 4, WORK, net, MACHINE)
+    with pytest.raises(ValueError, match="candidate 'users_silent_test' is not allowed"):
+        build("auto", candidates=["users_silent_test"], probe_steps=0, compute_s=0.1)
+
+
+def _r_users_candidate(rank, P):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = bagua_lite.DistributedModel(net, opt, build(
+        "auto", candidates=["local_sgd", "users_allreduce_test"], probe_steps=0, compute_s=0.1,
+        network={"alpha": 1e-5, "beta": 1e-10}, machine=ZERO.__dict__, efficiency={"local_sgd": 100.0}))
+    picked = type(model.algorithm).__name__
+    for s in range(3):
+        g = torch.Generator().manual_seed(rank * 10 + s)
+        x = torch.randn(4, 8, generator=g)
+        torch.nn.functional.cross_entropy(model(x), x[:, :3].argmax(1)).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(P)]
+    dist.all_gather(everyone, flat)
+    model.close()
+    return picked, all(torch.equal(everyone[0], t) for t in everyone)
+
+
+def test_a_users_algorithm_can_be_autos_pick(clusters):
+    # local SGD declared 100x less efficient: auto picks the user's dense algorithm, which then trains
+    for picked, identical in clusters.get(2).run(_r_users_candidate, timeout=60):
+        assert picked == "_UsersAllreduce" and identical, (picked, identical)

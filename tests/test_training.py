@@ -681,7 +681,7 @@ def _r_compressed_gossip(rank, P):
     """The compressed exchange (CHOCO) against a plain-torch replay of every rank's copies, with messages cut
     into chunks of 700 elements (the first of 150): chunk edges fall inside parameters and between them.
     fp16 is elementwise, so the chunking must not change a single value."""
-    import bagua_lite.algorithms.decentralized as dec
+    import bagua_lite.algorithms.low_precision_decentralized as dec
     out = {}
     saved = dec.FIRST_CHUNK, dec.CHUNK
     dec.FIRST_CHUNK, dec.CHUNK = 150, 700
