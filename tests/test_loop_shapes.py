@@ -358,3 +358,61 @@ def _r_lbfgs(rank, P):
 def test_lbfgs_is_refused(clusters):
     for r, msg in enumerate(clusters.get(2).run(_r_lbfgs, timeout=60)):
         assert msg and "LBFGS" in msg and "closure" in msg, (r, msg)
+
+
+def _average_like_auto(tensors, group=None):
+    """The reference's replica average, the same operation auto's is: one flat allreduce per dtype."""
+    by_dtype = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for group_ in by_dtype.values():
+            flat = torch._utils._flatten_dense_tensors(group_)
+            bagua_lite.comm.allreduce(flat, "avg")
+            for t, avg in zip(group_, torch._utils._unflatten_dense_tensors(flat, group_)):
+                t.copy_(avg)
+
+
+def _r_auto_after_probe(rank, P, candidate, probe_steps):
+    """auto probing with local steps, then its pick, against the pick started by hand from the state auto
+    hands it: the same local steps, the parameters and optimizer state averaged, the step count carried."""
+    name, opts = candidate["name"], {k: v for k, v in candidate.items() if k != "name"}
+    steps = probe_steps + 5
+    # the reference: plain local SGD steps, the average, then the candidate from that state
+    ref = Net()
+    opt_r = _optimizer("sgd", ref)
+    for s in range(probe_steps):
+        x, y = _batch(rank, s)
+        F.cross_entropy(ref(x), y).backward()
+        opt_r.step()
+        opt_r.zero_grad()
+    _average_like_auto([p.data for p in ref.parameters()] + [v for p in ref.parameters() for v in opt_r.state[p].values()
+                                                              if isinstance(v, torch.Tensor) and v.is_floating_point()])
+    alone = build(name, **opts)
+    model_r = bagua_lite.DistributedModel(ref, opt_r, alone, bucket_size_mb=0.001)
+    alone.step = probe_steps  # the pick's step count is the training's
+    # auto
+    net = Net()
+    opt = _optimizer("sgd", net)
+    model = bagua_lite.DistributedModel(net, opt, build("auto", candidates=[candidate], probe_steps=probe_steps,
+                                                        network={"alpha": 1e-5, "beta": 1e-9}, machine=ZERO_MACHINE),
+                                        bucket_size_mb=0.001)
+    for s in range(steps):
+        x, y = _batch(rank, s)
+        for m, o in ((model, opt),) + (((model_r, opt_r),) if s >= probe_steps else ()):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    same = _same(_state(ref, opt_r), _state(net, opt))
+    picked = type(model.algorithm).__name__
+    model.close()
+    model_r.close()
+    return same, picked
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+def test_auto_after_its_probe_is_its_pick_from_the_averaged_state(clusters, P):
+    for cand in ({"name": "topk", "density": 0.2}, {"name": "gtopk", "density": 0.2},
+                 {"name": "gradient_allreduce", "compression": "fp16"}, {"name": "powersgd", "rank": 2}):
+        for r, (same, picked) in enumerate(clusters.get(P).run(_r_auto_after_probe, cand, 3, timeout=120)):
+            assert same, f"{cand}: rank {r}: auto ({picked}) differs from its pick started from the averaged state"
