@@ -118,7 +118,7 @@ class QAdam(Algorithm):
         beta1 = float(group["betas"][0])
         m.mul_(1 - beta1).add_(self._state(p)["exp_avg"], alpha=beta1)  # m_local
 
-    def after_backward(self):
+    def commit_round(self):
         self._synced = True
         if self.step >= self.warmup_steps:
             for b in self.model.buckets:

@@ -22,7 +22,6 @@ Hooks, in the order of one training step:
                            the slot; ``grad`` may already be the slot, or None if it got no gradient)
 ``before_forward()``       at the start of every forward
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
-``after_backward()``       after all buckets of a synchronised backward finished
 ``commit_round()`` / ``discard_round()``  after every synchronised backward, once the ranks agreed whether
                            any rank's gradient was non-finite: commit the state the bucket ops produced
                            (error-feedback residuals, momenta), or restore it as it was before the step
@@ -150,9 +149,6 @@ class Algorithm:
         return True
 
     def before_forward(self) -> None:
-        pass
-
-    def after_backward(self) -> None:
         pass
 
     def before_step(self) -> None:

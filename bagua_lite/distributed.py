@@ -9,9 +9,9 @@ One step, as data (see DESIGN.md):
    gradient this step are zero-filled) are submitted, the scheduler waits for the engine, results are
    in ``.grad``; the ranks agree (one tiny all_gather) whether any rank's gradient held inf/NaN: if not,
    ``algorithm.commit_round()``; if so, ``algorithm.discard_round()`` and every rank's ``.grad`` becomes
-   NaN (a loss scaler skips the step; without one ``optimizer.step()`` raises, naming the ranks);
-   ``algorithm.after_backward()``.
-4. ``optimizer.step()``, then ``algorithm.after_step()`` (a step post hook on the optimizer).
+   NaN (a loss scaler skips the step; without one ``optimizer.step()`` raises, naming the ranks).
+4. ``optimizer.step()``: a closure's forward and backward first, then ``algorithm.before_step()``, the
+   optimizer's update, ``algorithm.after_step()`` (the model's own step hooks: no algorithm has any).
 The agreement after the buckets also carries every rank's step count, so a rank that took a step more or
 fewer than the others is reported on every rank before anything is applied; where message sizes depend
 on the step (``algorithm.step_dependent_wire``), a synchronised backward also starts with that check,
@@ -517,7 +517,6 @@ class DistributedModel(torch.nn.Module):
             self._agree_after_round(unused)
         finally:
             self.timings["agree_s"] += time.perf_counter() - t0
-        self._algorithm_hook(self.algorithm.after_backward)
 
     def _after_step(self):
         self._local_bad = None
