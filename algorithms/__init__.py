@@ -5,7 +5,7 @@
 """
 from bagua_lite.algorithm import Algorithm, build, register, registered
 
-from . import (async_model_average, decentralized, gradient_allreduce, gtopk, local_sgd,  # noqa: F401
+from . import (async_model_average, decentralized, diloco, gradient_allreduce, gtopk, local_sgd,  # noqa: F401
                low_precision_decentralized, powersgd, qadam, topk)  # (register the built-ins)
 from . import auto  # noqa: F401,E402  (last: it builds the others by name)
 

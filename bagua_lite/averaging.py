@@ -9,6 +9,9 @@ Compressed:  every rank holds the same anchor a (the last average, identical eve
              The weights themselves are never quantized, only how far each rank moved; what the
              compression lost stays in e_r and is sent at the next average.
 
+An outer optimizer (DiLoCo) keeps the anchor for dense averaging too (``anchored=True``) and takes
+``reduce_change()``, the average of the ranks' changes since the anchor, as the negated pseudo-gradient.
+
 ``snapshot()``, ``reduce()`` and ``apply()`` are separate so an asynchronous caller can copy the weights
 under a lock, communicate without it, and then add ``average - snapshot`` to weights that went on
 training meanwhile (``apply(delta=True)``). A synchronous caller sets the weights to the average
@@ -23,21 +26,41 @@ from .bucket import FlatWeights
 
 
 class WeightAverager:
-    def __init__(self, params: List[torch.nn.Parameter], compression="none", who: str = "averaging"):
+    def __init__(self, params: List[torch.nn.Parameter], compression="none", who: str = "averaging",
+                 anchored: bool = False):
         self.weights = FlatWeights(params)
         self.compressor = compressors.get_compressor(compression, who)
         self.snaps = [flat.clone() for flat in self.weights.gather()]  # x at snapshot()
         self.work = [torch.empty_like(f) for f in self.snaps]           # the average, once reduced
-        if self.compressor is not None:
+        self.anchored = anchored or self.compressor is not None
+        if self.anchored:
             self.anchors = [f.clone() for f in self.snaps]  # identical on all ranks (weights start equal)
-            self.residuals = [torch.zeros_like(f) for f in self.snaps]
+            self.residuals = [torch.zeros_like(f) for f in self.snaps] if self.compressor is not None else []
 
     def reset_anchor(self) -> None:
         """Make the current weights the anchor (call where every replica holds the same weights)."""
-        if self.compressor is not None:
-            for anchor, residual, flat in zip(self.anchors, self.residuals, self.weights.gather()):
+        if self.anchored:
+            for anchor, flat in zip(self.anchors, self.weights.gather()):
                 anchor.copy_(flat)
+            for residual in self.residuals:
                 residual.zero_()
+
+    def reduce_change(self, group) -> List[torch.Tensor]:
+        """The ranks' mean change since the anchor, mean_r (x_r - a), into the work buffers (compressed
+        with error feedback where a compressor is set; collective). Needs ``anchored``."""
+        for i, (flat, work) in enumerate(zip(self.weights.gather(), self.work)):
+            torch.sub(flat, self.anchors[i], out=work)
+            if self.compressor is None:
+                comm.allreduce(work, "avg", group=group)
+            else:
+                comm.compressed_allreduce(work, self.compressor, group=group, residual=self.residuals[i])
+        return self.work
+
+    def load_anchor(self) -> None:
+        """Set the weights to the anchor (after an outer optimizer moved it)."""
+        for (_, flat), anchor in zip(self.weights.groups, self.anchors):
+            flat.copy_(anchor)
+        self.weights.scatter()
 
     def snapshot(self) -> None:
         """Copy the current weights (call under the caller's lock if others may step meanwhile)."""
@@ -75,12 +98,12 @@ class WeightAverager:
         self.apply(delta=False)
 
     def state_dict(self) -> dict:
-        if self.compressor is None:
+        if not self.anchored:
             return {}
         return {"anchors": [a.clone() for a in self.anchors], "residuals": [r.clone() for r in self.residuals]}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
-        if self.compressor is None or not state:
+        if not self.anchored or not state:
             return
         for dst, src in zip(self.anchors + self.residuals, state["anchors"] + state["residuals"]):
             dst.copy_(src)

@@ -186,7 +186,7 @@ __all__ = ["Network", "Machine", "Workload", "probe_network", "calibrate_machine
            "efficiencies_from_results", "PREDICTABLE", "DEFAULT_AUTO_CANDIDATES", "DEFAULT_EFFICIENCY"]
 
 PREDICTABLE: Tuple[str, ...] = ("ddp", "ddp_fp16", "ddp_powersgd", "gradient_allreduce", "topk", "gtopk",
-                                "powersgd", "qadam", "decentralized", "low_precision_decentralized", "local_sgd",
+                                "powersgd", "qadam", "decentralized", "low_precision_decentralized", "local_sgd", "diloco",
                                 "async_model_average", "auto")
 
 #: auto's default candidates, most exact first (ties within auto's tolerance go to the earlier one)

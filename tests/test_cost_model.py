@@ -164,7 +164,8 @@ ALL = [("ddp", {}), ("ddp_fp16", {}), ("ddp_powersgd", {"rank": 4}), ("gradient_
        ("decentralized", {"compression": "fp16", "peer_selection": "all"}), ("low_precision_decentralized", {}),
        ("local_sgd", {"compression": "minmax_uint8"}), ("powersgd", {"rank": 4}), ("qadam", {}),
        ("qadam", {"compression": "minmax_uint8"}), ("async_model_average", {}),
-       ("async_model_average", {"compression": "sign", "sync_interval_ms": 100})]
+       ("async_model_average", {"compression": "sign", "sync_interval_ms": 100}), ("diloco", {"period": 50}),
+       ("diloco", {"period": 50, "compression": "minmax_uint8", "outer_optimizer": {"name": "adam", "lr": 0.1}})]
 
 
 def test_every_predictable_algorithm_is_covered():
@@ -1135,3 +1136,15 @@ def test_a_users_algorithm_can_be_autos_pick(clusters):
     # local SGD declared 100x less efficient: auto picks the user's dense algorithm, which then trains
     for picked, identical in clusters.get(2).run(_r_users_candidate, timeout=60):
         assert picked == "_UsersAllreduce" and identical, (picked, identical)
+
+
+def test_diloco_moves_local_sgds_bytes_and_adds_its_outer_step():
+    net = cm.Network(5e-5, 8e-9)
+    for P in (2, 4):
+        plain = cm.predict("local_sgd", {"period": 50}, P, WORK, net, MACHINE)
+        outer = cm.predict("diloco", {"period": 50}, P, WORK, net, MACHINE)
+        as_average = cm.predict("diloco", {"period": 50, "outer_optimizer": {"name": "sgd", "lr": 1}}, P, WORK, net,
+                                MACHINE)
+        assert outer["bytes_per_rank"] == plain["bytes_per_rank"] == cm.ring_bytes(WORK.numel * 4, P) / 50
+        assert as_average["step_s"] == plain["step_s"] < outer["step_s"]  # 4 passes of the outer step
+        assert outer["compression_s"] == pytest.approx(plain["compression_s"] + 4 * WORK.numel * MACHINE.add_s_per_elem / 50)

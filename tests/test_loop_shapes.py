@@ -45,6 +45,7 @@ ALGORITHMS = {
     "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0}, "sgd"),
     "qadam": ("qadam", {"warmup_steps": 2}, "adam"),
     "local_sgd": ("local_sgd", {"period": 2}, "sgd"),
+    "diloco": ("diloco", {"period": 2}, "sgd"),
     "decentralized": ("decentralized", {}, "sgd"),
     "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd"),
     "async_warmup": ("async_model_average", {"warmup_steps": 100, "sync_interval_ms": 50}, "sgd"),
@@ -183,7 +184,7 @@ def _expected(label, shape):
 @pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("labels", [["gradient_allreduce", "fp16", "bytegrad", "powersgd", "async_warmup"],
                                     ["topk", "topk_no_correction", "gtopk", "auto_topk", "qadam"],
-                                    ["local_sgd", "decentralized", "low_precision_decentralized"]],
+                                    ["local_sgd", "diloco", "decentralized", "low_precision_decentralized"]],
                          ids=["dense", "sparse_and_momentum", "local"])
 def test_every_loop_shape_is_the_plain_loop_or_refused(clusters, P, labels):
     res = clusters.get(P).run(_r_matrix, labels, timeout=600)
