@@ -9,14 +9,36 @@ moves dense tensors: ``gradient_allreduce``, ``decentralized``, ``local_sgd``, `
 
 Built-ins (C++ fast paths, GIL released):
 
-================  ==========================================  ==================  ==============
-name              wire format for n elements                  bytes               error feedback
-================  ==========================================  ==================  ==============
-``fp16``          IEEE half                                   2n                  no
-``bf16``          bfloat16 (float32's range: never overflows)  2n                  no
-``minmax_uint8``  ``[min f32][max f32][n uint8]``              8 + n               no
-``sign``          ``[mean abs f32][n bits]``                   4 + ceil(n/8)       yes
-================  ==========================================  ==================  ==============
+===================  ===============================================  ======================  ================
+name                 wire format for n elements                       bytes                   error feedback
+===================  ===============================================  ======================  ================
+``fp16``             IEEE half                                        2n                      no
+``bf16``             bfloat16 (float32's range: never overflows)      2n                      no
+``minmax_uint8``     ``[min f32][max f32][n uint8]``                  8 + n                   no
+``sign``             ``[mean abs f32][n bits]``                       4 + ceil(n/8)           yes
+===================  ===============================================  ======================  ================
+
+Built-ins written in Python (the generic collective path; for the DiLoCo family -- SparseLoCo is ``diloco``
+with ``compression: topk3`` or ``absmax2`` -- but usable wherever the ones above are; codes are stored
+biased, ``code + levels``, low bits first; k = min(n, max(1, round(density * n))), 0 for n = 0):
+
+===================  =============================================  ====================  ================
+name                 wire format for n elements                     bytes                 error feedback
+===================  =============================================  ====================  ================
+``absmax4``          ``[max|x|/7 f32][n 4-bit codes -7..7]``        4 + ceil(n/2)         yes
+``absmax2``          ``[max|x| f32][n 2-bit codes -1..1]``          4 + ceil(n/4)         yes
+``topk1``            ``[k values f32][k indices int32]``, 1%        8k                    yes
+``topk3``            the same, density 3%                           8k                    yes
+``topk10``           the same, density 10%                          8k                    yes
+``topk1_absmax2``    ``[scale f32][k idx int32][k 2-bit codes]``    4 + 4k + ceil(k/4)    yes
+``topk3_absmax2``    the same, density 3%                           4 + 4k + ceil(k/4)    yes
+===================  =============================================  ====================  ================
+
+``absmax4``/``absmax2`` decode ``code * scale`` (codes round-half-even(x / scale), so at most scale/2 is
+lost per element; ``absmax2`` sends ``+-max|x|`` where ``|x| > max|x|/2`` and 0 elsewhere). ``topk*`` sends
+the k largest ``|x|`` (ties to the lower index; indices ascending) and decodes to zeros elsewhere;
+:class:`TopKCompressor` takes any density. ``topk*_absmax2`` quantizes those k values as ``absmax2`` does,
+with one scale (the largest of the k ``|values|``).
 
 ``none`` means no compression. A user's compressor is one short subclass, registered by name and then
 usable in YAML (``compression: int4``) with any of those algorithms::
@@ -51,7 +73,8 @@ import torch
 
 from . import _C
 
-__all__ = ["Compressor", "register_compressor", "get_compressor", "registered_compressors", "encode"]
+__all__ = ["Compressor", "register_compressor", "get_compressor", "registered_compressors", "encode",
+           "TopKCompressor", "TopKAbsMax2Compressor"]
 
 
 class Compressor:
@@ -151,3 +174,201 @@ def encode(compressor: Compressor, x: torch.Tensor, wire: torch.Tensor,
     compressor.compress(x, wire)
     compressor.decompress(wire, residual, accumulate=False)
     torch.sub(x, residual, out=residual)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# built-in Python compressors for the DiLoCo family (SparseLoCo: diloco + top-k + 2-bit); stateless, all with
+# error feedback. They compute in float32 whatever the input dtype (float16/bfloat16/float64 are converted),
+# decode in float32 and then cast into ``out``. Non-finite inputs do not raise (the framework checks
+# finiteness before compressing): the codes of NaN elements are 0 and an infinite scale decodes to inf/NaN.
+
+
+def _absmax_codes(x: torch.Tensor, levels: int):
+    """float32 scale = max|x| / levels and int16 codes round-half-even(x / scale) clamped to -levels..levels
+    (all zero when the scale is 0)."""
+    xf = x.reshape(-1).to(torch.float32)
+    if xf.numel() == 0:
+        return torch.zeros((), device=xf.device), torch.zeros(0, dtype=torch.int16, device=xf.device)
+    scale = xf.abs().max() / levels
+    if float(scale) > 0:
+        q = torch.nan_to_num(torch.round(xf / scale), nan=0.0, posinf=levels, neginf=-levels)
+        codes = q.clamp_(-levels, levels).to(torch.int16)
+    else:  # all zero (or NaN everywhere: the scale is NaN and every code 0)
+        codes = torch.zeros(xf.numel(), dtype=torch.int16, device=xf.device)
+    return scale, codes
+
+
+def _pack(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-bit codes (uint8 values < 2**bits) into bytes, element i of each group of 8/bits at
+    bit offset ``bits * (i % (8/bits))`` (little-endian in the byte); the padding fields of the last byte are 0."""
+    per = 8 // bits
+    n = u.numel()
+    padded = torch.zeros((n + per - 1) // per * per, dtype=torch.uint8, device=u.device)
+    padded[:n] = u
+    groups = padded.view(-1, per)
+    out = groups[:, 0].clone()
+    for j in range(1, per):  # 2 or 4 fields per byte: a loop over bit positions, not elements
+        out |= groups[:, j] << (bits * j)
+    return out
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    per = 8 // bits
+    mask = (1 << bits) - 1
+    fields = [(packed >> (bits * j)) & mask for j in range(per)]
+    return torch.stack(fields, 1).reshape(-1)[:n]
+
+
+def _deliver(vals: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    # rounded to out's dtype first, so that accumulating adds exactly what decompress would write
+    vals = vals.to(out.dtype).view_as(out)
+    out.add_(vals) if accumulate else out.copy_(vals)
+
+
+class _AbsMaxLowBit(Compressor):
+    """Absmax quantization to ``bits``-bit codes: ``[scale f32][ceil(n * bits / 8) bytes]``."""
+
+    error_feedback = True
+    bits = 4
+
+    @property
+    def levels(self) -> int:
+        return (1 << (self.bits - 1)) - 1  # 7 for 4 bits, 1 for 2 bits
+
+    def wire_bytes(self, n):
+        per = 8 // self.bits
+        return 4 + (n + per - 1) // per
+
+    def compress(self, x, out):
+        scale, codes = _absmax_codes(x, self.levels)
+        out[:4].view(torch.float32)[0] = scale
+        # biased codes: code + levels in 0..2*levels (fits ``bits`` bits)
+        out[4:self.wire_bytes(codes.numel())].copy_(_pack((codes + self.levels).to(torch.uint8), self.bits))
+
+    def decompress(self, wire, out, accumulate=False):
+        n = out.numel()
+        scale = wire[:4].view(torch.float32)[0]
+        codes = _unpack(wire[4:self.wire_bytes(n)], self.bits, n).to(torch.float32) - self.levels
+        _deliver(codes * scale, out, accumulate)
+
+
+class AbsMax4(_AbsMaxLowBit):
+    """``absmax4``: scale = max|x| / 7 (float32), codes round-half-even(x / scale) in -7..7, stored biased
+    (code + 7, 0..14) as 4-bit fields, two per byte (element 2i in the low nibble of byte i, 2i+1 in the
+    high nibble). Decoded value: code * scale; the error is at most scale / 2 per element."""
+
+    bits = 4
+
+
+class AbsMax2(_AbsMaxLowBit):
+    """``absmax2``: ternary absmax quantization. scale = max|x| (float32), codes round-half-even(x / scale)
+    in {-1, 0, +1} -- an element is sent as +-scale when |x| > max|x| / 2, else as 0 -- stored biased
+    (code + 1, 0..2) as 2-bit fields, four per byte (element 4i+j at bits 2j..2j+1 of byte i). Decoded
+    value: code * scale; the error is at most scale / 2 per element, and error feedback sends the rest later."""
+
+    bits = 2
+
+
+def _topk_indices(xf: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending int64 indices of the k largest |xf|, ties going to the lower index (NaN counts as +inf), so
+    the choice is a function of the values alone (numpy: the first k of a stable argsort of -|x|)."""
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=xf.device)
+    a = torch.nan_to_num(xf.abs(), nan=float("inf"))
+    if k == a.numel():
+        return torch.arange(k, device=xf.device)
+    v = torch.topk(a, k, sorted=False).values.min()  # the k-th largest magnitude
+    above = (a > v).nonzero().view(-1)
+    at = (a == v).nonzero().view(-1)[:k - above.numel()]
+    return torch.cat([above, at]).sort().values
+
+
+class TopKCompressor(Compressor):
+    """Top-k sparsification by magnitude: ``[k values f32][k indices int32]`` with
+    ``k = min(n, max(1, round(density * n)))`` (0 for n = 0; Python's ``round``), computed from n alone so
+    every rank agrees on the wire size. The k elements of largest |x| are sent (ties go to the lower index;
+    NaN counts as largest), indices ascending; decompress scatters them into zeros (or adds
+    them when ``accumulate``). Register a density as ``register_compressor(name)(TopKCompressor.of(d))``."""
+
+    error_feedback = True
+    density = 0.01
+
+    def __init__(self, density: Optional[float] = None):
+        if density is not None:
+            self.density = float(density)
+        if not 0.0 < self.density <= 1.0:
+            raise ValueError(f"TopKCompressor: density must be in (0, 1], got {self.density!r}")
+
+    @classmethod
+    def of(cls, density: float) -> Type["TopKCompressor"]:
+        """A subclass with ``density`` fixed (registry entries are constructed without arguments)."""
+        if not 0.0 < float(density) <= 1.0:
+            raise ValueError(f"TopKCompressor: density must be in (0, 1], got {density!r}")
+        return type(f"TopK{density:g}", (cls,), {"density": float(density), "__doc__": cls.__doc__})
+
+    def k(self, n: int) -> int:
+        return 0 if n <= 0 else min(n, max(1, round(self.density * n)))
+
+    def wire_bytes(self, n):
+        return 8 * self.k(n)
+
+    def compress(self, x, out):
+        xf = x.reshape(-1).to(torch.float32)
+        k = self.k(xf.numel())
+        if k == 0:
+            return
+        idx = _topk_indices(xf, k)
+        out[:4 * k].view(torch.float32).copy_(xf[idx])
+        out[4 * k:8 * k].view(torch.int32).copy_(idx)
+
+    def decompress(self, wire, out, accumulate=False):
+        k = self.k(out.numel())
+        flat = out.view(-1)
+        if not accumulate:
+            flat.zero_()
+        if k == 0:
+            return
+        vals = wire[:4 * k].view(torch.float32)
+        idx = wire[4 * k:8 * k].view(torch.int32).to(torch.int64)
+        flat.index_add_(0, idx, vals.to(out.dtype))
+
+
+class TopKAbsMax2Compressor(TopKCompressor):
+    """Top-k, then the k values quantized as ``absmax2`` does (SparseLoCo): ``[scale f32][k indices int32]
+    [ceil(k/4) bytes of 2-bit codes]``, scale = max of the k |values|, codes round-half-even(v / scale) in
+    {-1, 0, +1} stored biased (code + 1) four per byte, low bits first. Decompress scatters code * scale
+    (selected values whose code is 0 decode to 0 and stay in the error-feedback residual)."""
+
+    def wire_bytes(self, n):
+        k = self.k(n)
+        return 4 + 4 * k + (k + 3) // 4
+
+    def compress(self, x, out):
+        xf = x.reshape(-1).to(torch.float32)
+        k = self.k(xf.numel())
+        idx = _topk_indices(xf, k)
+        scale, codes = _absmax_codes(xf[idx], 1)
+        out[:4].view(torch.float32)[0] = scale
+        out[4:4 + 4 * k].view(torch.int32).copy_(idx)
+        out[4 + 4 * k:self.wire_bytes(xf.numel())].copy_(_pack((codes + 1).to(torch.uint8), 2))
+
+    def decompress(self, wire, out, accumulate=False):
+        k = self.k(out.numel())
+        flat = out.view(-1)
+        if not accumulate:
+            flat.zero_()
+        if k == 0:
+            return
+        scale = wire[:4].view(torch.float32)[0]
+        idx = wire[4:4 + 4 * k].view(torch.int32).to(torch.int64)
+        codes = _unpack(wire[4 + 4 * k:4 + 4 * k + (k + 3) // 4], 2, k).to(torch.float32) - 1
+        flat.index_add_(0, idx, (codes * scale).to(out.dtype))
+
+
+register_compressor("absmax4")(AbsMax4)
+register_compressor("absmax2")(AbsMax2)
+register_compressor("topk1")(TopKCompressor.of(0.01))
+register_compressor("topk3")(TopKCompressor.of(0.03))
+register_compressor("topk10")(TopKCompressor.of(0.10))
+register_compressor("topk1_absmax2")(TopKAbsMax2Compressor.of(0.01))
+register_compressor("topk3_absmax2")(TopKAbsMax2Compressor.of(0.03))

@@ -277,3 +277,14 @@ def test_gossip_fold_matches_one_decompression_at_a_time(n, received):
     assert not bagua_lite._C.gossip_fold("fp16", wires[0], wires[1:], x_hat, nbr_sum, delta, 1.0)
     assert not bagua_lite._C.gossip_fold("minmax_uint8", wires[0], wires[1:], x_hat.double(), nbr_sum, delta, 1.0)
     assert torch.equal(x_hat, before)
+
+
+def test_python_builtins_of_the_diloco_family_are_registered():
+    """absmax4/absmax2/topk* (tests/test_compressors_lowbit.py has their references): registered at import,
+    written in Python (the generic collective path), all with error feedback."""
+    names = compressors.registered_compressors()
+    for name in ("absmax4", "absmax2", "topk1", "topk3", "topk10", "topk1_absmax2", "topk3_absmax2"):
+        assert name in names, name
+        comp = compressors.get_compressor(name)
+        assert comp.name == name and comp.error_feedback and not comp.native, name
+    assert "int4" not in names  # the README's example registers that name itself
