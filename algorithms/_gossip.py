@@ -7,13 +7,15 @@
 Peers: ``ring`` (both neighbours), ``ring_one_way`` (send to the right, receive from the left), ``shift_one``
 (one partner that rotates each exchange; odd P: one rank sits out), ``all`` (everyone, by collectives).
 """
+import atexit
 import queue
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, cost_model as cm
+from bagua_lite import _C, cost_model as cm, runtime
 from bagua_lite._groups import new_group_like
 from bagua_lite.algorithm import Algorithm
 from bagua_lite.bucket import FlatWeights
@@ -149,6 +151,10 @@ class Gossip(Algorithm):
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="bagua_lite-decentralized", daemon=True)
             self._thread.start()
+            # At exit the thread must not sit in a collective: one that fails as the peers exit would wake it
+            # during interpreter finalization and abort the process. End it after its exchange.
+            self._atexit = lambda ref=weakref.ref(self): ref() and ref()._end_thread(runtime.exit_wait_s())
+            atexit.register(self._atexit)
         self._packed.clear()
         self._done.clear()
         self._jobs.put(job)
@@ -173,14 +179,19 @@ class Gossip(Algorithm):
             self.model.fail(f"{self.name}: the weight exchange failed: {error}")
             raise RuntimeError(f"{self.name}: the weight exchange failed on rank {self.model.rank}: {error}") from error
 
-    def close(self):
-        if self.model.peer_failed():  # nobody will answer: leave the (daemon) thread behind
-            self._works = self._thread = None
-            return
-        if self._thread is not None:  # it ends once its exchange in flight, if any, is done
+    def _end_thread(self, timeout=None):
+        """Stop the exchange thread once its exchange in flight, if any, is done (at most ``timeout`` s)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            atexit.unregister(self._atexit)
             self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+            thread.join(timeout)
+
+    def close(self):
+        if self.model.peer_failed():  # nobody will answer: the (daemon) thread stays until its exchange
+            self._works = None        # fails; the exit hook registered with it waits for that
+            return
+        self._end_thread()  # it ends once its exchange in flight, if any, is done
         if self._works is not None:  # an exchange in flight: finish it so peers are not left waiting
             for w in self._works + self._step_works:
                 w.wait()

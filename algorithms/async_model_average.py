@@ -33,7 +33,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from bagua_lite import cost_model as cm
+from bagua_lite import cost_model as cm, runtime
 from bagua_lite._failfast import POLL_S
 from bagua_lite._groups import group_timeout
 from bagua_lite.algorithm import Algorithm, register
@@ -81,7 +81,9 @@ class AsyncModelAverage(Algorithm):
         self._timeout_s = group_timeout(self.group).total_seconds()
         # .data: average the storage without bumping autograd's version counters (see the docstring)
         self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")
-        self._atexit = lambda ref=weakref.ref(self): ref() and ref()._stop(join_timeout_s=10.0)
+        # At exit the thread must not be inside its collective when the interpreter finalizes (it would wake
+        # there and abort the process): wait for it even after a peer failed (it fails as the peers exit).
+        self._atexit = lambda ref=weakref.ref(self): ref() and ref()._stop(runtime.exit_wait_s(), at_exit=True)
         atexit.register(self._atexit)
         if self.warmup_steps == 0:
             self._start()
@@ -152,12 +154,12 @@ class AsyncModelAverage(Algorithm):
         except Exception as e:  # noqa: BLE001  (reported to the training thread)
             self.error = e
 
-    def _stop(self, join_timeout_s):
+    def _stop(self, join_timeout_s, at_exit=False):
         self._closing = True
         self._wake.set()
         if self._thread is not None:
             deadline, failed = time.monotonic() + join_timeout_s, False
-            while self._thread.is_alive() and time.monotonic() < deadline and not failed:
+            while self._thread.is_alive() and time.monotonic() < deadline and (at_exit or not failed):
                 self._thread.join(POLL_S)
                 # its collective may wait on a failed rank: do not wait out the group's timeout
                 failed = self.model is not None and self.model.peer_failed()
@@ -168,8 +170,9 @@ class AsyncModelAverage(Algorithm):
 
     def close(self):
         self._unlock_step()
-        atexit.unregister(self._atexit)
         self._stop(join_timeout_s=self._timeout_s + self.sync_interval_ms / 1000 + 10)
+        if self._thread is None or not self._thread.is_alive():  # else the exit hook waits for it again
+            atexit.unregister(self._atexit)
 
     def average_now(self):
         """After ``close()`` on every rank (collective): every replica <- the average (compressed if set)."""

@@ -11,11 +11,35 @@ jemalloc or tcmalloc). The process keeps its peak heap instead of returning it t
 :class:`~bagua_lite.DistributedModel` calls it for CPU models; ``BAGUA_LITE_TUNE_MALLOC=0`` turns that off.
 The benchmark calls it once per worker before anything is measured, so the compute floor, the DDP
 baselines and every algorithm run with the same allocator.
+
+Process exit. Once CPython starts finalizing, a thread other than the main one that asks for the GIL is
+ended with ``pthread_exit``; inside C++ code (a destructor) that is ``std::terminate``: "terminate called
+without an active exception" and SIGABRT, after the program's own work is done. Two such threads
+outlived ``main()``: gloo's ``pt_gloo_runloop`` workers, which release each finished collective after its
+waiter returned and need the GIL when one of its tensors' Python objects is already gone; and an engine
+worker of a model whose peer failed, still inside a collective that fails when the peers exit. So, when
+this module is imported (by ``import bagua_lite``):
+
+* ``torch.distributed.nn.functional`` is imported if no process group exists yet. Its functions take
+  ``group=group.WORLD`` as a default argument, evaluated at import; torch imports it on the first optimizer
+  it builds, and if that happens after ``init_process_group`` the defaults keep the default group alive for
+  good, so ``destroy_process_group()`` no longer ends its gloo threads.
+* :func:`_release_at_exit` is registered with ``atexit``, which runs while the interpreter is whole: every
+  engine worker gets up to ``BAGUA_LITE_EXIT_WAIT_S`` seconds (default 30) to leave the collective it is in
+  (with a failed peer it fails as the peers exit) and is joined; then a garbage collection frees models
+  nobody holds any more (they form reference cycles), and with them the last references to process
+  groups ``destroy_process_group()`` already let go of: their gloo threads are joined now, with the GIL
+  free, instead of in finalization. (A model still referenced at exit, e.g. a module global, keeps its
+  groups and their threads alive into finalization; ``model.close()`` does not let go of them.)
 """
+import atexit
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
+import sys
+import time
 
 log = logging.getLogger("bagua_lite")
 
@@ -49,3 +73,57 @@ def tune_cpu_allocator(mmap_threshold: int = 1 << 30, trim_threshold: int = 1 <<
         log.debug("bagua_lite: malloc keeps freed blocks up to %d bytes for reuse", mmap_threshold)
     return ok
 
+
+
+EXIT_WAIT_ENV = "BAGUA_LITE_EXIT_WAIT_S"
+EXIT_WAIT_S = 30.0
+
+
+def exit_wait_s() -> float:
+    """Seconds bagua_lite waits at process exit for a thread still in an op or collective (its engine workers;
+    an algorithm may wait as long for a thread of its own): ``BAGUA_LITE_EXIT_WAIT_S``, default 30."""
+    text = os.environ.get(EXIT_WAIT_ENV, "").strip()
+    try:
+        return max(0.0, float(text)) if text else EXIT_WAIT_S
+    except ValueError:
+        log.warning("bagua_lite: %s=%r is not a number of seconds; using %s", EXIT_WAIT_ENV, text, EXIT_WAIT_S)
+        return EXIT_WAIT_S
+
+
+def _release_at_exit() -> None:
+    """atexit: stop every engine worker and free unreachable models while other threads may still take the
+    GIL (see the module docstring). Does nothing in a process that never made a model's engine."""
+    from . import _C
+
+    if not _C._engines_created():
+        return
+    budget, t0 = exit_wait_s(), time.monotonic()
+    running = _C._stop_engines_for_exit(min(1.0, budget))
+    if running and budget > 1.0:
+        print(f"bagua_lite: at exit, waiting up to {budget:.0f}s for {running} engine thread(s) still running an "
+              f"op (after a peer failed, its collective fails as the peers exit); {EXIT_WAIT_ENV} sets the "
+              f"limit", file=sys.stderr, flush=True)
+        running = _C._stop_engines_for_exit(max(0.0, budget - (time.monotonic() - t0)))
+    if running:
+        print(f"bagua_lite: {running} engine thread(s) still running an op after {budget:.0f}s: left to the "
+              f"process's end (if one returns during interpreter finalization, the process aborts)",
+              file=sys.stderr, flush=True)
+    gc.collect()
+
+
+def _bind_group_defaults_early() -> None:
+    """Import ``torch.distributed.nn.functional`` before any process group exists (see the module
+    docstring): its ``group=group.WORLD`` defaults then stay None, which means the default group at call
+    time, instead of holding the first default group alive forever."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or dist.is_initialized():
+        return
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except ImportError:  # a torch without that module has no such defaults either
+        pass
+
+
+_bind_group_defaults_early()
+atexit.register(_release_at_exit)

@@ -45,6 +45,28 @@ class PyOp final : public eng::Op {
   std::string name_;
 };
 
+// Deleter for the C++ objects Python owns that may own a process group (the native ops) or a thread (the
+// engine): they are destroyed without the GIL, as torch destroys its ProcessGroup objects. The last
+// reference to a gloo backend joins its worker threads, and such a thread may need the GIL to release a
+// tensor whose Python object is gone; holding the GIL across that join would deadlock (or, during
+// interpreter finalization, end that thread in std::terminate).
+template <typename T>
+struct DeleteWithoutGil {
+  void operator()(T* p) const {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      delete p;
+    } else {
+      delete p;
+    }
+  }
+};
+
+template <typename T, typename... Args>
+std::shared_ptr<T> make_without_gil_deleter(Args&&... args) {
+  return std::shared_ptr<T>(new T(std::forward<Args>(args)...), DeleteWithoutGil<T>());
+}
+
 std::vector<eng::OpPtr> to_ops(const py::list& items) {
   std::vector<eng::OpPtr> ops;
   for (const auto& item : items) {
@@ -175,12 +197,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", [](eng::Op& op, at::Tensor bucket) { op.run(bucket); }, py::arg("bucket"), release(),
            "Run the op on a flat bucket tensor now, on the calling thread (the engine normally does this).");
   py::class_<eng::AllreduceOp, eng::Op, std::shared_ptr<eng::AllreduceOp>>(m, "AllreduceOp")
-      .def(py::init<bl::ProcessGroupPtr, bool>(), py::arg("pg"), py::arg("average"));
+      .def(py::init([](bl::ProcessGroupPtr pg, bool average) {
+             return make_without_gil_deleter<eng::AllreduceOp>(std::move(pg), average);
+           }),
+           py::arg("pg"), py::arg("average"));
   py::class_<eng::CompressedAllreduceOp, eng::Op, std::shared_ptr<eng::CompressedAllreduceOp>>(m, "CompressedAllreduceOp")
-      .def(py::init<bl::ProcessGroupPtr, std::string, bool, std::optional<at::Tensor>>(), py::arg("pg"),
-           py::arg("compression"), py::arg("average"), py::arg("residual") = py::none());
+      .def(py::init([](bl::ProcessGroupPtr pg, std::string compression, bool average,
+                       std::optional<at::Tensor> residual) {
+             return make_without_gil_deleter<eng::CompressedAllreduceOp>(std::move(pg), std::move(compression),
+                                                                         average, std::move(residual));
+           }),
+           py::arg("pg"), py::arg("compression"), py::arg("average"), py::arg("residual") = py::none());
   py::class_<eng::Engine, std::shared_ptr<eng::Engine>>(m, "Engine")
-      .def(py::init<>())
+      .def(py::init([] { return eng::Engine::track(make_without_gil_deleter<eng::Engine>()); }))
       .def("submit",
            [](eng::Engine& e, int64_t id, at::Tensor bucket, const py::list& ops) {
              auto native = to_ops(ops);
@@ -203,6 +232,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              return py::dict(py::arg("buckets_done") = s.buckets_done, py::arg("busy_seconds") = s.busy_seconds);
            })
       .def("reset_stats", &eng::Engine::reset_stats);
+  m.def("_stop_engines_for_exit", &eng::Engine::stop_all_for_exit, py::arg("seconds"), release(),
+        "At process exit (bagua_lite.runtime's atexit hook): every live engine starts no further op and its "
+        "worker is joined once it has left the op or collective it is in, waiting at most `seconds` in all. "
+        "Returns how many workers are still running (left to the process's end).");
+  m.def("_engines_created", &eng::Engine::created, "How many engines this process has made.");
 
   // ---- traffic counters ----
   m.def("bytes_sent", [] { return bl::traffic().bytes_sent.load(); });

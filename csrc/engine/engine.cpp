@@ -2,6 +2,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 
 #include "collectives/collectives.h"
@@ -30,7 +32,63 @@ void CompressedAllreduceOp::run(at::Tensor& bucket) {
   collectives::compressed_allreduce(pg_, bucket, compression_, average_, residual_);
 }
 
+namespace {
+// Every engine made through the binding, weakly: an abandoned engine is never freed (its binding leaks a
+// reference), so it stays here and its worker can still be waited for at process exit.
+std::mutex registry_mu;
+std::vector<std::weak_ptr<Engine>>& registry() {
+  static auto* engines = new std::vector<std::weak_ptr<Engine>>();  // never destroyed: usable during exit
+  return *engines;
+}
+std::atomic<int64_t> engines_created{0};
+}  // namespace
+
 Engine::Engine() : worker_([this] { loop(); }) {}
+
+std::shared_ptr<Engine> Engine::track(std::shared_ptr<Engine> engine) {
+  std::lock_guard<std::mutex> lock(registry_mu);
+  auto& engines = registry();
+  engines.erase(std::remove_if(engines.begin(), engines.end(), [](const auto& w) { return w.expired(); }),
+                engines.end());
+  engines.push_back(engine);
+  engines_created += 1;
+  return engine;
+}
+
+int64_t Engine::created() { return engines_created.load(); }
+
+bool Engine::stop_for_exit(double seconds) {
+  std::unique_lock<std::mutex> lock(mu_);
+  stop_ = true;
+  cancelled_ = true;
+  cv_work_.notify_all();
+  const bool done = cv_idle_.wait_for(lock, std::chrono::duration<double>(std::max(seconds, 0.0)),
+                                      [this] { return worker_done_; });
+  lock.unlock();
+  if (done && worker_.joinable()) worker_.join();
+  return done;
+}
+
+int Engine::stop_all_for_exit(double seconds) {
+  std::vector<std::shared_ptr<Engine>> engines;
+  {
+    std::lock_guard<std::mutex> lock(registry_mu);
+    for (auto& w : registry())
+      if (auto e = w.lock()) engines.push_back(std::move(e));
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(seconds, 0.0));
+  int running = 0;
+  for (auto& e : engines) {
+    const double left = std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count();
+    if (e->stop_for_exit(left)) continue;
+    // Still in a collective: leave the worker to the process's end, as abandon() does, so that the
+    // engine's destructor never waits for it during interpreter finalization.
+    ++running;
+    e->abandon();
+    new std::shared_ptr<Engine>(e);  // never freed: the detached worker still uses the engine
+  }
+  return running;  // `engines` may hold the last reference to some: they end here, their workers joined
+}
 
 Engine::~Engine() { shutdown(); }
 
@@ -51,6 +109,9 @@ void Engine::shutdown() {
 void Engine::submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    // A stopped engine has no worker (or one that is leaving): the task would never run and wait_all hang.
+    TORCH_CHECK(!stop_, "bagua_lite engine: submit after the engine stopped (its model was closed, its peers "
+                "failed, or the process is exiting)");
     queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops), at::get_num_threads()});
     ++in_flight_;
   }
@@ -92,6 +153,7 @@ void Engine::abandon() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
+    cancelled_ = true;
   }
   cv_work_.notify_all();
   if (worker_.joinable()) worker_.detach();
@@ -127,9 +189,9 @@ void use_threads(int n) {
 std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
   const bool skip = [&] {
     std::lock_guard<std::mutex> lock(mu_);
-    return static_cast<bool>(error_);
+    return static_cast<bool>(error_) || cancelled_;
   }();
-  if (skip) return nullptr;  // after an error the queue drains without running anything
+  if (skip) return nullptr;  // after an error, once abandoned or stopped for exit: the queue drains, nothing runs
   use_threads(task.num_threads);
   for (size_t i = 0; i < task.ops.size(); ++i) {
     auto& op = task.ops[i];
@@ -218,6 +280,8 @@ void Engine::loop() {
       }
     } else {
       active_ = false;
+      worker_done_ = true;
+      cv_idle_.notify_all();  // stop_for_exit waits for this
       return;  // stop_, nothing queued and nothing in flight
     }
     if (pending_.empty() && queue_.empty()) {

@@ -94,7 +94,7 @@ class Engine {
   void wait_all();
   // wait_all for at most `seconds`: false if buckets are still in flight (nothing rethrown then).
   bool wait_all_for(double seconds);
-  // Give up on work that will not finish (a peer failed): stop taking tasks and detach the worker,
+  // Give up on work that will not finish (a peer failed): start no further op and detach the worker,
   // which may stay blocked in a collective until the process group's timeout. The caller must keep the
   // engine alive (the binding leaks one reference).
   void abandon();
@@ -102,6 +102,17 @@ class Engine {
   void reset_stats();
   // Finish queued work and join the worker. Call without holding the GIL if ops may need it.
   void shutdown();
+  // For process exit: start no further op, let the worker finish the op or collective it is in, and
+  // join it. Waits at most `seconds`; returns whether the worker has ended. Call without the GIL.
+  bool stop_for_exit(double seconds);
+
+  // Registers an engine (weakly) for stop_all_for_exit; the Python binding tracks every engine it makes.
+  static std::shared_ptr<Engine> track(std::shared_ptr<Engine> engine);
+  // stop_for_exit on every engine of the process that is still alive (an abandoned one stays alive),
+  // sharing one deadline; returns how many workers are still running after it.
+  static int stop_all_for_exit(double seconds);
+  // How many engines this process has made.
+  static int64_t created();
 
  private:
   struct Task {
@@ -133,6 +144,8 @@ class Engine {
   std::vector<OpPtr> finished_ops_;  // ops of finished buckets, released by the waiting thread
   int64_t in_flight_ = 0;
   bool stop_ = false;
+  bool cancelled_ = false;     // abandoned or stopped for exit: queued tasks are dropped without running
+  bool worker_done_ = false;   // loop() has returned
   std::exception_ptr error_;
   std::string error_where_;
   EngineStats stats_;
