@@ -22,7 +22,7 @@ THREADS_AT_EXIT = """
 import atexit, os
 def _threads():
     return sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-atexit.register(lambda: print("threads after bagua_lite's exit hook:", _threads(), flush=True))
+atexit.register(lambda: print("threads after bagua_lite's exit hook:", len(_threads()), _threads(), flush=True))
 """
 
 
@@ -56,7 +56,7 @@ def test_engine_op_running_at_exit_finishes_before_finalization():
     assert "terminate called" not in out, out
     lines = proc.stdout.splitlines()
     assert lines[:2] == ["main finished", "op finished"], out
-    assert lines[2] == "threads after bagua_lite's exit hook: ['python']", out
+    assert lines[2].startswith("threads after bagua_lite's exit hook: 1 "), out  # the main thread alone
 
 
 def test_engine_op_exit_wait_is_bounded():
@@ -109,4 +109,4 @@ def test_destroyed_process_groups_end_before_finalization(algorithm):
             pytest.fail(f"{algorithm}: a rank did not finish in 180 s")
     for r, (p, out) in enumerate(zip(procs, outs)):
         assert p.returncode == 0, (r, out[-3000:])
-        assert "threads after bagua_lite's exit hook: ['python']" in out, (r, out[-3000:])
+        assert "threads after bagua_lite's exit hook: 1 " in out, (r, out[-3000:])  # the main thread alone

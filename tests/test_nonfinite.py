@@ -107,6 +107,10 @@ def _r_scaled(rank, P, label, scaler_on):
     if scaler_on and name in ("topk", "gtopk"):
         # momentum correction refuses a loss scaler (test_loss_scaler_under_momentum_correction_is_refused)
         options = dict(options, momentum_correction=0)
+    if scaler_on and name == "qadam":
+        # after its warm-up qadam refuses a loss scaler (.grad holds the averaged momentum; test_loop_shapes):
+        # the scaler's skip is checked in its warm-up, where the bad step falls
+        options = dict(options, warmup_steps=STEPS)
     net = _net()
     opt = _optimizer(kind, net)
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
