@@ -323,14 +323,18 @@ class TopKCompressor(Compressor):
 
     def decompress(self, wire, out, accumulate=False):
         k = self.k(out.numel())
+        self._scatter(out, accumulate, k, lambda: (wire[4 * k:8 * k], wire[:4 * k].view(torch.float32)))
+
+    @staticmethod
+    def _scatter(out, accumulate, k, pairs):
+        """Zero ``out`` unless accumulating, then add the k (int32 index bytes, float32 values) of ``pairs()``."""
         flat = out.view(-1)
         if not accumulate:
             flat.zero_()
         if k == 0:
             return
-        vals = wire[:4 * k].view(torch.float32)
-        idx = wire[4 * k:8 * k].view(torch.int32).to(torch.int64)
-        flat.index_add_(0, idx, vals.to(out.dtype))
+        idx_bytes, vals = pairs()
+        flat.index_add_(0, idx_bytes.view(torch.int32).to(torch.int64), vals.to(out.dtype))
 
 
 class TopKAbsMax2Compressor(TopKCompressor):
@@ -354,15 +358,11 @@ class TopKAbsMax2Compressor(TopKCompressor):
 
     def decompress(self, wire, out, accumulate=False):
         k = self.k(out.numel())
-        flat = out.view(-1)
-        if not accumulate:
-            flat.zero_()
-        if k == 0:
-            return
-        scale = wire[:4].view(torch.float32)[0]
-        idx = wire[4:4 + 4 * k].view(torch.int32).to(torch.int64)
-        codes = _unpack(wire[4 + 4 * k:4 + 4 * k + (k + 3) // 4], 2, k).to(torch.float32) - 1
-        flat.index_add_(0, idx, (codes * scale).to(out.dtype))
+
+        def pairs():
+            codes = _unpack(wire[4 + 4 * k:4 + 4 * k + (k + 3) // 4], 2, k).to(torch.float32) - 1
+            return wire[4:4 + 4 * k], codes * wire[:4].view(torch.float32)[0]
+        self._scatter(out, accumulate, k, pairs)
 
 
 register_compressor("absmax4")(AbsMax4)
