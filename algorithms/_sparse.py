@@ -146,7 +146,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         # the next step clear k entries instead of the whole bucket (None: clear everything).
         self._written = [None] * len(model.buckets)
         # sparse optimizer step: what the committed round left in the buckets (see _sparse_step)
-        self._committed = None  # [(flat version, the .grad objects)] per bucket, or None
+        self._committed = None  # [the .grad objects] per bucket after the round, or None
         self._hidden = []       # (param, its .grad) set aside during the optimizer's step
 
     def _resolve_momentum(self, model):
@@ -228,16 +228,15 @@ class ErrorFeedbackSparsifier(Algorithm):
         at the entries the sparse result wrote (``_written``): apply it there (``_C.sparse_sgd_step_``, O(k))
         and hide those parameters' ``.grad`` from the optimizer during its step, instead of its pass over
         every weight (reading w and g, writing w: on a CPU a third of a sparse step's memory traffic).
-        Exactly the optimizer's update. Only where nothing touched the result since the round: a bucket
-        whose ``.grad`` views were modified in place (clip_grad_norm_, a GradScaler's unscale, a user's own
-        edit: the bucket's version counter moved) or replaced keeps the optimizer's dense step, and so does
-        a second step() on the same gradients."""
+        Exactly the optimizer's update. A ``.grad`` changed in place was refused before this
+        (``_refuse_edited_update``); one replaced keeps the optimizer's dense step, and so does a second
+        step() on the same gradients."""
         committed, self._committed = self._committed, None
         if committed is None:
             return
-        for b, (version, grads) in zip(self.model.buckets, committed):
+        for b, grads in zip(self.model.buckets, committed):
             idx = self._written[b.index]
-            if idx is None or b.flat._version != version:
+            if idx is None:
                 continue
             params, offsets, lrs = [], [], []
             for j, (p, g) in enumerate(zip(b.params, grads)):
@@ -341,7 +340,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         if self._mc:
             self.momenta, self._u = self._u, self.momenta
         if self._suspended:  # what the step may apply sparsely, if it is still this when the step comes
-            self._committed = [(b.flat._version, [p.grad for p in b.params]) for b in self.model.buckets]
+            self._committed = [[p.grad for p in b.params] for b in self.model.buckets]
             for b, w in zip(self.model.buckets, self._written):
                 b.seal(w)
 
