@@ -61,5 +61,10 @@ setup(
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.9",
     install_requires=["numpy", "pyyaml"],
-    extras_require={"test": ["pytest", "hypothesis", "scikit-learn"], "benchmark": ["matplotlib"]},
+    # Optional benchmark rows, never needed by the library: torchft's DiLoCo baseline (torchft_diloco; torchft
+    # itself needs torch >= 2.7, which the installed torch satisfies: install it with --no-deps to be sure no
+    # other torch comes along) and Hugging Face's GPT-2 built from a config (hf_gpt2).
+    extras_require={"test": ["pytest", "hypothesis", "scikit-learn"], "benchmark": ["matplotlib"],
+                    "torchft": ["torchft==0.2.0", "opentelemetry-sdk>=1.39", "opentelemetry-exporter-otlp-proto-http>=1.39"],
+                    "transformers": ["transformers"]},
 )

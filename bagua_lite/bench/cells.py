@@ -1,12 +1,18 @@
-"""One benchmark cell's model: ours (a DistributedModel) or a PyTorch DDP baseline, with its optimizer."""
+"""One benchmark cell's model: ours (a DistributedModel), a PyTorch DDP baseline, or torchft's DiLoCo,
+with its optimizer."""
+import datetime
+import os
+import socket
+
 from .config import BASELINES, make_optimizer, optimizer_momentum
 
 
 def wrap(cell, cfg, net):
-    """(model to call, our DistributedModel or None for a DDP baseline, optimizer) of one cell.
+    """(model to call, our DistributedModel or None, optimizer, baseline handle or None) of one cell.
 
     The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm given its own
-    (gtopk/topk with a number ``momentum_correction``, see ``optimizer_momentum``)."""
+    (gtopk/topk with a number ``momentum_correction``, see ``optimizer_momentum``). The handle is set for
+    a baseline that needs closing or that is periodic (``torchft_diloco``: ``.cycle``, ``.close()``)."""
     import bagua_lite
 
     name, options = cell["name"], cell["options"]
@@ -20,11 +26,13 @@ def wrap(cell, cfg, net):
         # is timed) is skipped: it costs seconds per cell on a slow emulated link.
         wrapper = bagua_lite.DistributedModel(net, opt, algorithm=algorithm,
                                               bucket_size_mb=cfg["bucket_size_mb"], broadcast_parameters=False)
-        return wrapper, wrapper, opt
+        return wrapper, wrapper, opt, None
+    opt = make_optimizer(kind, net.parameters(), cfg.get("lr"))
+    if name == "torchft_diloco":
+        return net, None, opt, TorchftDiLoCo(net, opt, options, cfg["timeout_s"])
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    opt = make_optimizer(kind, net.parameters(), cfg.get("lr"))
     # powerSGD_hook with several buckets on gloo crashes (its per-bucket callbacks launch collectives
     # out of order); it runs reliably with one bucket, so that is how we run it.
     cap = 4096 if name == "ddp_powersgd" else cfg["bucket_size_mb"]
@@ -37,4 +45,138 @@ def wrap(cell, cfg, net):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
                                             start_powerSGD_iter=2, min_compression_rate=0.5)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-    return model, None, opt
+    return model, None, opt, None
+
+
+def tx_bytes():
+    """Bytes this network namespace sent on its non-loopback interface (None on plain loopback)."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not iface:
+        return None
+    try:
+        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
+# ---- torchft's DiLoCo, the optional baseline ----------------------------------------------------------------------
+def torchft_available():
+    """(True, "") when torchft imports, else (False, why)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
+    try:
+        import torchft  # noqa: F401
+        import torchft.local_sgd  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (ImportError, or a missing dependency of torchft's own)
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
+
+
+def own_address():
+    """The address the other ranks reach this rank at: the launcher's ``BAGUA_LITE_BENCH_ADDR`` (an emulated
+    link's namespace address, or 127.0.0.1), else this host's name resolved (under torchrun)."""
+    addr = os.environ.get("BAGUA_LITE_BENCH_ADDR")
+    if addr:
+        return addr
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def split_fragments(net, n):
+    """``n`` modules that hold the parameters of ``net`` in order, in contiguous groups of about equal size
+    (torchft's streaming DiLoCo syncs one fragment at a time). One fragment: ``[net]`` itself."""
+    import torch
+
+    if n == 1:
+        return [net]
+    params = list(net.parameters())
+    if n > len(params):
+        raise ValueError(f"torchft_diloco: fragments ({n}) is more than the model's {len(params)} parameter tensors")
+    total = sum(p.numel() for p in params)
+    groups, cur, acc = [], [], 0
+    for i, p in enumerate(params):
+        cur.append(p)
+        acc += p.numel()
+        left = len(params) - i - 1
+        if (acc >= total * (len(groups) + 1) / n or left == n - len(groups) - 1) and len(groups) < n - 1 and left:
+            groups.append(cur)
+            cur = []
+    groups.append(cur)
+    out = []
+    for g in groups:
+        m = torch.nn.Module()
+        m.params = torch.nn.ParameterList(g)  # the same Parameter objects: stepping them steps the model
+        out.append(m)
+    return out
+
+
+class TorchftDiLoCo:
+    """torchft's DiLoCo (``torchft.local_sgd.DiLoCo``) on this rank, for the ``torchft_diloco`` row.
+
+    Every rank is one torchft replica group of one process: its own TCPStore and ``Manager`` (synchronous
+    quorum, as DiLoCo requires; ``init_sync`` off, since every rank built the same seeded weights), a
+    torchft ``ProcessGroupGloo`` that the manager configures at each new quorum, and the lighthouse that
+    forms the quorums run by rank 0 (``torchft._torchft.LighthouseServer``, in rank 0's process and network
+    namespace, ``min_replicas`` = P), its address broadcast over the benchmark's own process group. The
+    inner optimizer is the cell's; the outer one ``outer_optimizer`` (default SGD lr 0.7, Nesterov momentum
+    0.9, as ours), one per fragment. ``period`` is DiLoCo's H (torchft's ``sync_every``); ``fragments``,
+    ``fragment_sync_delay`` and ``fragment_update_alpha`` are torchft's streaming options."""
+
+    def __init__(self, net, inner, options, timeout_s=900):
+        import torch.distributed as dist
+
+        ok, why = torchft_available()
+        if not ok:
+            raise RuntimeError(f"torchft_diloco: torchft does not import ({why})")
+        from torchft import Manager, ProcessGroupGloo
+        from torchft._torchft import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+
+        from ..algorithms.diloco import DEFAULT_OUTER, outer_optimizer_class
+
+        import logging
+
+        # its manager warns at every new quorum that it cannot reset NCCL's flight recorder (CPU: none)
+        logging.getLogger("torchft.manager").setLevel(logging.ERROR)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.cycle = int(options.get("period", 500))
+        self.lighthouse = None
+        addr = [None]
+        if rank == 0:
+            self.lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world)
+            port = int(self.lighthouse.address().rsplit(":", 1)[1])
+            addr = [f"http://{_host(os.environ.get('MASTER_ADDR') or own_address())}:{port}"]
+        dist.broadcast_object_list(addr, 0)
+        me = own_address()
+        self.store = dist.TCPStore(me, 0, is_master=True, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), load_state_dict=None, state_dict=None,
+                               min_replica_size=world, use_async_quorum=False, replica_id=f"bagua_bench_{rank}",
+                               store_addr=me, store_port=self.store.port, rank=0, world_size=1,
+                               lighthouse_addr=addr[0], hostname=me, init_sync=False, timeout=timeout,
+                               quorum_timeout=timeout, connect_timeout=timeout)
+        fragments = split_fragments(net, int(options.get("fragments", 1)))
+        cls, kwargs = outer_optimizer_class(dict(options.get("outer_optimizer") or DEFAULT_OUTER), "torchft_diloco")
+        outers = [cls(f.parameters(), **kwargs) for f in fragments]
+        self.diloco = DiLoCo(self.manager, fragments, inner, outers if len(outers) > 1 else outers[0],
+                             sync_every=self.cycle, pin_memory=False,
+                             fragment_sync_delay=int(options.get("fragment_sync_delay", 0)),
+                             fragment_update_alpha=float(options.get("fragment_update_alpha", 0.0)))
+        self.diloco.__enter__()
+
+    def close(self):
+        import torch.distributed as dist
+
+        self.diloco.__exit__(None, None, None)
+        dist.barrier()  # every rank is done with its last quorum before any manager or the lighthouse goes
+        self.manager.shutdown(wait=True)
+        dist.barrier()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+        self.diloco = self.manager = self.store = self.lighthouse = None
+
+
+def _host(addr):
+    return f"[{addr}]" if ":" in addr else addr

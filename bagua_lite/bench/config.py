@@ -38,6 +38,25 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  not decide. The JSON/CSV keep one row per seed.
 ``stop_at_target`` stop a cell at the evaluation that reaches the target (default true); false trains
                  every cell for the whole budget, so ``final_metric`` compares algorithms at equal steps.
+``project_time`` (convergence mode, default false) project the time to target instead of training on
+                 every throttled link: every cell trains once, on loopback (unthrottled), which gives its
+                 steps to target and its curve; then, on each other network of ``networks``, a timing run
+                 measures its seconds per step over whole cycles of the algorithm (the throughput mode's
+                 machinery), and time to target = steps to target x that s/step. Valid only for algorithms
+                 whose trajectory does not depend on timing: an asynchronous one (async_model_average),
+                 ``auto`` (its pick depends on the network) and a warm-up that changes the traffic part way
+                 (``warmup_steps`` > 0, a density schedule) are refused. The table says "projected".
+``timing_steps`` (with ``project_time``) measured steps per cell in a timing run, at least, rounded up to
+                 whole cycles and at least two cycles (default 6).
+``timing_warmup_steps`` (with ``project_time``) unmeasured steps before them (default 2).
+The ``torchft_diloco`` baseline (optional: needs ``pip install torchft==0.2.0 --no-deps`` and its
+opentelemetry dependencies, the ``torchft`` extra) is torchft's DiLoCo (``torchft.local_sgd.DiLoCo``) with
+its Manager and lighthouse, options ``period`` (H, default 500), ``outer_optimizer`` (default SGD lr 0.7,
+Nesterov momentum 0.9), ``fragments``, ``fragment_sync_delay``, ``fragment_update_alpha`` (torchft's
+streaming options); without torchft the row is skipped with a one-line note. The model ``hf_gpt2``
+(Hugging Face's GPT-2 built from a small config) needs the ``transformers`` extra, and is skipped the
+same way without it.
+
 The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``stragglers``, ``project``,
 ``floor_each_cell``, ``repeats``) are
 refused in convergence mode, and the convergence keys in throughput mode.
@@ -47,7 +66,8 @@ import yaml
 
 from .zoo import MODELS
 
-BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd")
+BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", "torchft_diloco")
+TORCHFT_OPTIONS = ("period", "outer_optimizer", "fragments", "fragment_sync_delay", "fragment_update_alpha")
 OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
 STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
 STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
@@ -55,7 +75,7 @@ MODES = ("throughput", "convergence")
 METRICS = ("accuracy", "loss")
 THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell", "repeats")
 CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
-                    "seeds")
+                    "seeds", "project_time", "timing_steps", "timing_warmup_steps")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
                "timeout_s", "max_steps", "lr") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
 
@@ -87,7 +107,8 @@ def load_benchmark_config(path):
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
            "max_steps": None, "stragglers": ["none"], "floor_each_cell": False, "repeats": 1}
     if mode == "convergence":
-        out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0)
+        out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0,
+                   project_time=False, timing_steps=6, timing_warmup_steps=2)
     out.update(cfg)
     if mode == "convergence":
         out["seeds"] = list(cfg.get("seeds", [out["seed"]]))
@@ -124,9 +145,22 @@ def load_benchmark_config(path):
     for p in out["world_sizes"]:
         if not isinstance(p, int) or p < 1:
             raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
+    skipped = []  # one-line notes: optional rows and models whose package is not installed
     for m in out["models"]:
         if m not in MODELS:
             raise ValueError(f"benchmark config: unknown model {m!r}; known: {', '.join(MODELS)}")
+    from .zoo import optional_model_missing
+
+    models = []
+    for m in out["models"]:
+        why = optional_model_missing(m)
+        if why:
+            skipped.append(f"model {m} skipped: {why}")
+        else:
+            models.append(m)
+    if not models:
+        raise ValueError("benchmark config: no model left to run (" + "; ".join(skipped) + ")")
+    out["models"] = models
     from . import netem
 
     for n in out["networks"]:
@@ -147,14 +181,67 @@ def load_benchmark_config(path):
                              f"allowed: {', '.join(OPTIMIZERS)}")
         if name == "ddp_powersgd":
             entry.setdefault("rank", 4)
+        elif name == "torchft_diloco":
+            _check_torchft(entry)
+            from .cells import torchft_available
+
+            ok, why = torchft_available()
+            if not ok:
+                skipped.append(f"{label or _label(name, entry, optimizer)} skipped: torchft is not installed ({why}; "
+                               "pip install torchft==0.2.0 --no-deps and opentelemetry-sdk "
+                               "opentelemetry-exporter-otlp-proto-http, or the bagua_lite[torchft] extra)")
+                continue
         elif name not in BASELINES:
-            build(name, **entry)  # validate now, before any process starts
+            algorithm = build(name, **entry)  # validate now, before any process starts
+            if mode == "convergence" and out["project_time"]:
+                _check_projectable(name, algorithm, label or _label(name, entry, optimizer))
         algs.append({"name": name, "options": entry, "optimizer": optimizer,
                      "label": label or _label(name, entry, optimizer)})
     if not algs:
-        raise ValueError("benchmark config: 'algorithms' must list at least one algorithm")
+        raise ValueError("benchmark config: 'algorithms' must list at least one algorithm"
+                         + (" (" + "; ".join(skipped) + ")" if skipped else ""))
     out["algorithms"] = algs
+    out["skipped"] = skipped
     return out
+
+
+def _check_torchft(options):
+    """The options of a ``torchft_diloco`` entry, checked whether or not torchft is installed."""
+    for k in options:
+        if k not in TORCHFT_OPTIONS:
+            raise ValueError(f"benchmark config: torchft_diloco has no option {k!r}; allowed: {', '.join(TORCHFT_OPTIONS)}")
+    period, frags = options.get("period", 500), options.get("fragments", 1)
+    delay, alpha = options.get("fragment_sync_delay", 0), options.get("fragment_update_alpha", 0.0)
+    for key, v, low in (("period", period, 1), ("fragments", frags, 1), ("fragment_sync_delay", delay, 0)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"benchmark config: torchft_diloco: {key} must be an int >= {low}, got {v!r}")
+    if period % frags:
+        raise ValueError(f"benchmark config: torchft_diloco: period ({period}) must be a multiple of fragments ({frags})")
+    if delay >= period // frags:
+        raise ValueError(f"benchmark config: torchft_diloco: fragment_sync_delay ({delay}) must be < period / fragments "
+                         f"({period // frags})")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
+        raise ValueError(f"benchmark config: torchft_diloco: fragment_update_alpha must be in [0, 1], got {alpha!r}")
+    if "outer_optimizer" in options:
+        from ..algorithms.diloco import outer_optimizer_class
+
+        outer_optimizer_class(options["outer_optimizer"], "benchmark config: torchft_diloco")
+
+
+def _check_projectable(name, algorithm, label):
+    """project_time takes the steps from an unthrottled run: refuse what would take other steps elsewhere."""
+    why = None
+    if getattr(algorithm, "asynchronous", False):
+        why = "it is asynchronous: how far its replicas drift apart depends on timing, so its trajectory does too"
+    elif name == "auto":
+        why = "its pick depends on the network it probes, so its trajectory does too"
+    elif getattr(algorithm, "warmup_steps", 0) or (getattr(algorithm, "warmup_densities", None)
+                                                   and getattr(algorithm, "warmup_steps_per_stage", 0)):
+        why = ("it changes its traffic after a warm-up, and a projection measures one s/step per cell "
+               "(give it no warm-up, or run without project_time)")
+    if why:
+        raise ValueError(f"benchmark config: project_time cannot project {label}: {why}; "
+                         "run it with project_time: false (measured on the throttled link itself)")
 
 
 def _check_convergence(cfg):
@@ -195,6 +282,14 @@ def _check_convergence(cfg):
             raise ValueError(f"benchmark config: seeds lists a seed twice: {seeds!r}")
     if not isinstance(cfg.get("stop_at_target", True), bool):
         raise ValueError(f"benchmark config: stop_at_target must be true or false, got {cfg['stop_at_target']!r}")
+    if not isinstance(cfg.get("project_time", False), bool):
+        raise ValueError(f"benchmark config: project_time must be true or false, got {cfg['project_time']!r}")
+    for key in ("timing_steps", "timing_warmup_steps"):
+        if key in cfg and not cfg.get("project_time", False):
+            raise ValueError(f"benchmark config: {key} sets the timing runs of project_time: true; "
+                             "without it the time to target is measured directly")
+    number("timing_steps", cfg.get("timing_steps", 6), 1, integer=True)
+    number("timing_warmup_steps", cfg.get("timing_warmup_steps", 2), 0, integer=True)
 
 
 def _label(name, options, optimizer="sgd"):

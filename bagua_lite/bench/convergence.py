@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .cells import wrap
+from .cells import tx_bytes, wrap
 from .data import evaluate, loss_fn, make_task
 from .zoo import fresh_model
 
@@ -56,9 +56,10 @@ def run_cell(cell, cfg, model_name, task, rank, world):
     gc.collect()
     net, _ = fresh_model(model_name, cfg["seed"])
     eval_net = copy.deepcopy(net)
-    model, wrapper, opt = wrap(cell, cfg, net)
+    model, wrapper, opt, handle = wrap(cell, cfg, net)
     metric, target = cfg["metric"], cfg["target"]
     task.reset()
+    from .. import comm
 
     def evaluation():
         average_replicas(net, eval_net)
@@ -73,10 +74,13 @@ def run_cell(cell, cfg, model_name, task, rank, world):
     curve = [[0, 0.0, value, heldout]]  # [step, training seconds, metric, held-out loss]
     train_s, step, hit = 0.0, 0, None
     train_losses = []
+    counted, wire = 0, 0  # bytes this rank sent in training stretches: bagua_lite's counter, the link's
     budget = cfg.get("time_budget_s")
     while step < cfg["max_steps"]:
         n = min(cfg["eval_every"], cfg["max_steps"] - step)
         dist.barrier()
+        comm.reset_traffic()
+        tx0 = tx_bytes()
         t0 = time.perf_counter()
         for _ in range(n):
             x, y = task.batch(step)
@@ -86,6 +90,8 @@ def run_cell(cell, cfg, model_name, task, rank, world):
             opt.zero_grad()
             step += 1
         stretch = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        counted += comm.bytes_sent()
+        wire = None if tx0 is None or wire is None else wire + tx_bytes() - tx0
         train_losses.append(float(loss.detach()))
         dist.all_reduce(stretch, op=dist.ReduceOp.MAX)
         train_s += float(stretch)
@@ -106,11 +112,16 @@ def run_cell(cell, cfg, model_name, task, rank, world):
         picked = getattr(wrapper.configured_algorithm, "picked_label", None)
         decision = (getattr(wrapper.configured_algorithm, "decision", None) or {}).get("line")
         wrapper.close()
+    if handle is not None:
+        handle.close()
     return {"metric": metric, "target": target, "curve": curve,
             "steps_to_target": hit[0] if hit else None, "time_to_target_s": hit[1] if hit else None,
             "final_metric": value, "final_loss": heldout, "train_loss": train_losses[-1] if train_losses else None,
             "steps_run": step, "train_s": train_s, "eval_s": eval_s,
-            "step_s": train_s / step if step else None, "picked": picked, "decision": decision}
+            "step_s": train_s / step if step else None, "picked": picked, "decision": decision,
+            # per step per rank, over the training stretches (rank 0's); our own collectives only for the first
+            "bytes_per_step_counted": counted / step if step and wrapper is not None else None,
+            "bytes_per_step_wire": wire / step if step and wire is not None else None}
 
 
 def worker(cfg, network, rank, world, emit):
@@ -127,3 +138,27 @@ def worker(cfg, network, rank, world, emit):
                       "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                       "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
                       "lr": cfg.get("lr"), "seed": seed, **res})
+
+
+def timing_worker(cfg, network, rank, world, emit):
+    """``project_time``: the seconds per step of every cell on this (throttled) network, measured as the
+    throughput mode measures them (``runner._run_cell``: a barrier per step, the slowest rank's time, whole
+    cycles of a periodic algorithm, at least two), over ``timing_steps`` steps after
+    ``timing_warmup_steps``. Synthetic batches of the model's shape: what the batches hold does not change
+    a step's time. The steps to target come from the loopback run (``report.project_rows``)."""
+    from .data import make_batches
+    from .runner import _run_cell
+
+    tcfg = {**cfg, "steps": cfg["timing_steps"], "warmup_steps": cfg["timing_warmup_steps"],
+            "max_steps": cfg["timing_steps"], "min_cell_s": 0.0}
+    for model_name in cfg["models"]:
+        net0, spec = fresh_model(model_name)
+        numel = sum(p.numel() for p in net0.parameters())
+        batches = make_batches(spec, cfg["batch_size"], 8, rank)
+        for cell in cfg["algorithms"]:
+            res = _run_cell(cell, tcfg, model_name, batches, rank, world)
+            emit({"kind": "timing", "network": network, "world_size": world, "model": model_name,
+                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                  "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
+                  "times": res["times"], "cycle": res["cycle"], "bytes": res["bytes"], "tx_bytes": res["tx_bytes"],
+                  "loss": res["loss"]})

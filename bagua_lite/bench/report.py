@@ -21,11 +21,12 @@ def cycle_median(values, cycle=1):
     return statistics.median(statistics.fmean(ch) for ch in chunks)
 
 
-def _ddp_baseline(cells, c, name="algorithm"):
+def _ddp_baseline(cells, c, name="algorithm", base="ddp"):
     """The DDP cell ``c`` is compared with: same network, P, model and straggler condition; the same
     optimizer if the matrix measured DDP with it, else the first plain DDP cell of that group. ``name``:
-    the key holding the algorithm's name (``algorithm`` in records, ``name`` in summary rows)."""
-    group = [d for d in cells if d[name] == "ddp" and d["network"] == c["network"]
+    the key holding the algorithm's name (``algorithm`` in records, ``name`` in summary rows); ``base``
+    another baseline to find the same way (``ddp_fp16``, ``torchft_diloco``, ...)."""
+    group = [d for d in cells if d[name] == base and d["network"] == c["network"]
              and d["world_size"] == c["world_size"] and d["model"] == c["model"]
              and d.get("straggler", "none") == c.get("straggler", "none")]
     same = [d for d in group if d.get("optimizer", "sgd") == c.get("optimizer", "sgd")]
@@ -297,10 +298,44 @@ def write_outputs(rows, projections, out_dir):
 
 
 # ---- convergence mode -----------------------------------------------------------------------------------------
+def project_records(records):
+    """``project_time``: one convergence record per loopback convergence record (per seed) and throttled
+    network timed, with the loopback run's steps (to target, run, the curve's steps and metrics) and the
+    s/step measured on that network (``timing`` records: the median over whole cycles of the per-cycle
+    mean, as in throughput mode): time to target = steps to target x s/step, each curve point's time =
+    its step x s/step. Bytes per step are the timing run's (the link's counter; ours also counted)."""
+    conv = [r for r in records if r["kind"] == "convergence" and r["network"] == "loopback"]
+    out = []
+    for t in (r for r in records if r["kind"] == "timing"):
+        cyc = t.get("cycle", 1)
+        step_s = cycle_median(t["times"], cyc)
+        wire = cycle_median(t.get("tx_bytes") or [], cyc)
+        counted = cycle_median(t["bytes"], cyc) if t.get("bytes") and t["algorithm"] not in BASELINES else None
+        for c in conv:
+            if (c["world_size"], c["model"], c["label"]) != (t["world_size"], t["model"], t["label"]):
+                continue
+            hit = c["steps_to_target"]
+            out.append({**c, "network": t["network"], "projected": True, "projected_from": "loopback",
+                        "loopback_step_s": c["step_s"], "step_s": step_s, "cycle": cyc,
+                        "timing_steps": len(t["times"]), "time_to_target_s": hit * step_s if hit else None,
+                        "train_s": c["steps_run"] * step_s,
+                        "curve": [[st, st * step_s, m, loss] for st, _, m, loss in c["curve"]],
+                        "bytes_per_step_wire": wire, "bytes_per_step_counted": counted})
+    return out
+
+
+def _bytes(c):
+    """Bytes per step per rank of a cell: the link's counter where there is one, else bagua_lite's own."""
+    wire = c.get("bytes_per_step_wire")
+    return wire if wire is not None else c.get("bytes_per_step_counted")
+
+
 def summarize_convergence(records):
     """One row per convergence cell and seed; ``speedup_vs_ddp`` compares times to target with the plain
-    DDP cell (same optimizer if measured) of the same network, P, model and seed, when both reached it."""
+    DDP cell (same optimizer if measured) of the same network, P, model and seed, when both reached it.
+    With ``project_time``, the throttled networks' rows are projected (``project_records``)."""
     cells = [r for r in records if r["kind"] == "convergence"]
+    cells += project_records(records)
     rows = []
     for c in cells:
         ddp = _ddp_baseline([d for d in cells if d.get("seed") == c.get("seed")], c)
@@ -313,7 +348,13 @@ def summarize_convergence(records):
             "step_s": c["step_s"], "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
             "speedup_vs_ddp": (base / ours) if ours and base else None,
             "ddp_baseline": ddp["label"] if ddp else None, "picked": c.get("picked"),
-            "decision": c.get("decision"), "curve": c["curve"],
+            "decision": c.get("decision"), "projected": bool(c.get("projected")),
+            "projection": (f"projected: steps from {c['projected_from']}, s/step measured at {c['network']}"
+                           if c.get("projected") else None),
+            "loopback_step_s": c.get("loopback_step_s"), "timing_steps": c.get("timing_steps"),
+            "bytes_per_step_wire": c.get("bytes_per_step_wire"),
+            "bytes_per_step_counted": c.get("bytes_per_step_counted"), "bytes_per_step": _bytes(c),
+            "curve": c["curve"],
         })
     return rows
 
@@ -345,16 +386,22 @@ def combine_seeds(rows):
                 row[key] = _median_or_none([r[key] for r in rs])
             row.pop("seed", None)
             row["decision"] = None  # per seed, in the rows
-            for key in ("final_metric", "final_loss", "step_s", "train_s", "eval_s"):
-                vals = [r[key] for r in rs if r[key] is not None]
+            for key in ("final_metric", "final_loss", "step_s", "train_s", "eval_s", "bytes_per_step",
+                        "bytes_per_step_wire", "bytes_per_step_counted"):
+                vals = [r.get(key) for r in rs if r.get(key) is not None]
                 row[key] = statistics.median(vals) if vals else None
             row["steps_run"] = max(r["steps_run"] for r in rs)
             row["picked"] = "/".join(dict.fromkeys(picks)) or None
         out.append(row)
     for row in out:
+        for base, key in (("ddp", "speedup_vs_ddp"), ("ddp_fp16", "speedup_vs_ddp_fp16"),
+                          ("ddp_powersgd", "speedup_vs_ddp_powersgd"), ("torchft_diloco", "speedup_vs_torchft")):
+            b = _ddp_baseline(out, row, name="name", base=base)
+            t = b["time_to_target_s"] if b else None
+            row[key] = t / row["time_to_target_s"] if t and row["time_to_target_s"] else None
         ddp = _ddp_baseline(out, row, name="name")
-        base = ddp["time_to_target_s"] if ddp else None
-        row["speedup_vs_ddp"] = base / row["time_to_target_s"] if base and row["time_to_target_s"] else None
+        mine, theirs = row.get("bytes_per_step"), (ddp or {}).get("bytes_per_step")
+        row["bytes_vs_ddp"] = theirs / mine if theirs and mine else None  # x fewer bytes than DDP
     return out
 
 
@@ -366,9 +413,17 @@ def _by_time_to_target(r):
     return (1, sign * r["final_metric"])
 
 
+def _fmt_bytes(b):
+    if b is None:
+        return "-"
+    return f"{b / 1e6:.3f}" if b < 1e7 else f"{b / 1e6:.1f}"
+
+
 def print_convergence_table(rows, out=sys.stdout):
     """One table per (network, P, model), sorted by time to target; ``rows`` as ``combine_seeds`` returns
-    them (with several seeds the figures are medians, and a last column gives each seed's time)."""
+    them (with several seeds the figures are medians, and a last column gives each seed's time). A
+    projected table (``project_time``) says so above its header. Columns ``vs torchft`` (when the group has
+    a torchft_diloco row) and ``MB/step`` / ``vs DDP bytes`` (when any row has a byte count)."""
     groups = {}
     several = any(len(r.get("seeds") or [0]) > 1 for r in rows)
     for r in rows:
@@ -376,11 +431,19 @@ def print_convergence_table(rows, out=sys.stdout):
     for (network, P, model), rs in groups.items():
         metric, target = rs[0]["metric"], rs[0]["target"]
         seeds = rs[0].get("seeds") or [0]
+        projected = any(r.get("projected") for r in rs)
         print(f"\n{model} on {network}, P={P}: time to held-out {metric} {'>=' if metric == 'accuracy' else '<='} "
               f"{target} (training wall time, evaluations excluded)"
               + (f"; medians over seeds {', '.join(map(str, seeds))}" if several else ""), file=out)
-        hdr = (f"{'algorithm':<34}{'time to target':>15}{'steps':>7}{'vs DDP':>8}{'s/step':>8}"
-               f"{'final ' + metric:>16}{'steps run':>10}" + ("  per seed (s)" if several else ""))
+        if projected:
+            print(f"PROJECTED: steps to target from the unthrottled (loopback) run, s/step measured at {network} "
+                  "over whole cycles of each algorithm; time to target = steps x s/step", file=out)
+        show_tft = any(r["name"] == "torchft_diloco" for r in rs)
+        show_bytes = any(r.get("bytes_per_step") is not None for r in rs)
+        hdr = (f"{'algorithm':<40}{'time to target':>15}{'steps':>7}{'vs DDP':>8}"
+               + (f"{'vs torchft':>11}" if show_tft else "") + f"{'s/step':>8}"
+               + (f"{'MB/step':>9}{'x fewer B':>10}" if show_bytes else "")
+               + f"{'final ' + metric:>16}{'steps run':>10}" + ("  per seed (s)" if several else ""))
         print(hdr, file=out)
         print("-" * len(hdr), file=out)
         for r in sorted(rs, key=_by_time_to_target):
@@ -390,10 +453,73 @@ def print_convergence_table(rows, out=sys.stdout):
             if several:
                 per_seed = "  " + " ".join("-" if t is None else f"{t:.2f}" for t in r["time_to_target_by_seed"])
             v = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}"
-            print(f"{r['algorithm'][:33]:<34}{t:>15}{n:>7}{v:>8}{r['step_s']:>8.4f}{r['final_metric']:>16.4f}"
-                  f"{r['steps_run']:>10}{per_seed}", file=out)
-    print("'-': the target was not reached within the budget. vs DDP: DDP's time to target over this row's. "
+            vt = "-" if r.get("speedup_vs_torchft") is None else f"{r['speedup_vs_torchft']:.2f}"
+            fewer = "-" if r.get("bytes_vs_ddp") is None else f"{r['bytes_vs_ddp']:.1f}"
+            print(f"{r['algorithm'][:39]:<40}{t:>15}{n:>7}{v:>8}" + (f"{vt:>11}" if show_tft else "")
+                  + f"{r['step_s']:>8.4f}" + (f"{_fmt_bytes(r.get('bytes_per_step')):>9}{fewer:>10}" if show_bytes else "")
+                  + f"{r['final_metric']:>16.4f}{r['steps_run']:>10}{per_seed}", file=out)
+    print("'-': the target was not reached within the budget. vs DDP (vs torchft): DDP's (torchft DiLoCo's) time "
+          "to target over this row's. MB/step: bytes a rank sent per step (the emulated link's counter; on "
+          "loopback bagua_lite's own, none for the baselines); x fewer B: DDP's bytes per step over this row's. "
           "Evaluated: the average of the replicas (rank 0's model for synchronous algorithms).", file=out)
+
+
+DILOCO_FAMILY = ("diloco", "local_sgd")  # ours: DiLoCo, its streaming and compressed variants, local SGD
+
+
+def convergence_figures(rows, out=sys.stdout):
+    """The headline comparisons of each (network, P, model) table: the row that reached the target first
+    among ours, and among the DiLoCo family, against each baseline measured (DDP, DDP + fp16 hook, DDP +
+    PowerSGD hook, torchft's DiLoCo); the bytes per step against DDP's; and, when every row trained the
+    whole budget (``stop_at_target: false``), each row's held-out loss at equal steps against DDP's.
+    Returns the lines printed."""
+    names = {"ddp": "DDP", "ddp_fp16": "DDP + fp16 hook", "ddp_powersgd": "DDP + PowerSGD hook",
+             "torchft_diloco": "torchft DiLoCo"}
+    keys = {"ddp": "speedup_vs_ddp", "ddp_fp16": "speedup_vs_ddp_fp16", "ddp_powersgd": "speedup_vs_ddp_powersgd",
+            "torchft_diloco": "speedup_vs_torchft"}
+    lines = []
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    for (network, P, model), rs in groups.items():
+        head = f"{model} on {network}, P={P}" + (" (projected)" if any(r.get("projected") for r in rs) else "")
+        present = [b for b in names if any(r["name"] == b for r in rs)]
+        reached = [r for r in rs if r["time_to_target_s"] is not None]
+
+        def against(r):
+            got = [f"{r[keys[b]]:.2f}x sooner than {names[b]}" for b in present if r.get(keys[b]) is not None]
+            missed = [names[b] for b in present if r.get(keys[b]) is None and r["name"] != b]
+            return ", ".join(got + ([f"{'/'.join(missed)} did not reach it"] if missed else []))
+
+        for title, pick in (("best of ours", lambda r: r["name"] not in BASELINES),
+                            ("best of the DiLoCo family", lambda r: r["name"] in DILOCO_FAMILY)):
+            cand = [r for r in reached if pick(r)]
+            if cand:
+                b = min(cand, key=lambda r: r["time_to_target_s"])
+                lines.append(f"{head}: {title}: {b['algorithm']} {b['time_to_target_s']:.2f} s to target: {against(b)}")
+        if "torchft_diloco" in present:
+            for r in (r for r in rs if r["name"] in DILOCO_FAMILY):
+                v = r.get("speedup_vs_torchft")
+                lines.append(f"{head}: {r['algorithm']} vs torchft DiLoCo: "
+                             + ("-" if v is None else f"time to target {1 / v:.2f}x torchft's ({v:.2f}x sooner)"))
+        ddp = next((r for r in rs if r["name"] == "ddp"), None)
+        if ddp and ddp.get("bytes_per_step"):
+            ranked = sorted((r for r in rs if r.get("bytes_vs_ddp") and r["name"] != "ddp"),
+                            key=lambda r: -r["bytes_vs_ddp"])
+            if ranked:
+                lines.append(f"{head}: bytes per step per rank vs DDP's {_fmt_bytes(ddp['bytes_per_step'])} MB: "
+                             + ", ".join(f"{r['algorithm']} {r['bytes_vs_ddp']:.0f}x fewer" for r in ranked))
+        full = [r for r in rs if r["steps_run"] == max(x["steps_run"] for x in rs)]
+        if not any(r.get("projected") for r in rs) and ddp and ddp in full and len(full) == len(rs) and ddp.get("final_loss"):
+            lines.append(f"{head}: held-out loss at equal steps ({ddp['steps_run']}): DDP {ddp['final_loss']:.4f}; "
+                         + ", ".join(f"{r['algorithm']} {r['final_loss']:.4f} "
+                                     f"({(r['final_loss'] / ddp['final_loss'] - 1) * 100:+.1f}%)"
+                                     for r in rs if r is not ddp))
+    if lines:
+        print("\nfigures:", file=out)
+        for line in lines:
+            print("  " + line, file=out)
+    return lines
 
 
 def auto_convergence_report(rows, out=sys.stdout):
@@ -452,7 +578,9 @@ def write_convergence_outputs(rows, out_dir, summary=None):
             ax.axhline(rs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
             ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
             ax.set_ylabel(f"held-out {rs[0]['metric']}")
-            ax.set_title(f"{model}, {network}, P={P}" + (f" (seed {first_seed})" if several else ""))
+            proj = any(r.get("projected") for r in rs if (r["network"], r["world_size"]) == (network, P))
+            ax.set_title(f"{model}, {network}, P={P}" + (f" (seed {first_seed})" if several else "")
+                         + (" projected: loopback steps x measured s/step" if proj else ""), fontsize=9)
             ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"convergence_{model}.png"

@@ -65,28 +65,18 @@ import subprocess
 import sys
 import time
 
+from .cells import tx_bytes as _tx_bytes
 from .cells import wrap
 from .config import STRAGGLER_RANK, load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
-from .report import (auto_convergence_report, auto_report, combine_seeds, cycle_median, print_convergence_table,
+from .report import (auto_convergence_report, auto_report, combine_seeds, convergence_figures, cycle_median,
+                     print_convergence_table,
                      print_table, projection_report, summarize, summarize_convergence, write_convergence_outputs,
                      write_outputs)
 from .zoo import fresh_model
 
 
 # ---- one rank -----------------------------------------------------------------------------------------------
-def _tx_bytes():
-    """Bytes this network namespace sent on its non-loopback interfaces (None on plain loopback)."""
-    iface = os.environ.get("GLOO_SOCKET_IFNAME")
-    if not iface:
-        return None
-    try:
-        with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
-            return int(f.read())
-    except OSError:
-        return None
-
-
 def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     """Train ``model_name`` with one algorithm; returns per-step times (every rank's) and counters.
 
@@ -102,7 +92,7 @@ def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     gc.collect()  # the previous cell's model, buffers and DDP reducer are gone before this one is timed
     net, _ = fresh_model(model_name)
     name = cell["name"]
-    model, wrapper, opt = wrap(cell, cfg, net)
+    model, wrapper, opt, handle = wrap(cell, cfg, net)
     ours = wrapper is not None
     asynchronous = ours and bool(getattr(wrapper.algorithm, "asynchronous", False))
     slow = straggler == "half" and rank == STRAGGLER_RANK
@@ -120,10 +110,10 @@ def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     if asynchronous:
         dist.barrier()  # the ranks start the cell together; no collective of ours after this until the end
     while step < warm + measure:
-        if step == warm and ours:
-            # A periodic relaxation (local SGD, decentralized with an interval) is timed over whole
-            # cycles, at least two; the summary averages within a cycle and takes the median across.
-            cycle = max(1, int(wrapper.algorithm.cycle))
+        if step == warm and (ours or handle is not None):
+            # A periodic relaxation (local SGD, decentralized with an interval, torchft's DiLoCo) is timed
+            # over whole cycles, at least two; the summary averages within a cycle and takes the median across.
+            cycle = max(1, int(wrapper.algorithm.cycle if ours else handle.cycle))
             measure = max(measure, 2 * cycle)
             measure = -(-measure // cycle) * cycle
             most = max(measure, most // cycle * cycle)
@@ -189,6 +179,8 @@ def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
         picked = getattr(wrapper.configured_algorithm, "picked", None)
         picked = repr(picked) if picked is not None else None
         wrapper.close()  # on every rank: an asynchronous algorithm ends its background work collectively
+    if handle is not None:
+        handle.close()
     return {"times": times, "rank_times": rank_times, "loss": losses[-1] if losses else float("nan"),
             "waits": waits, "busy": busy, "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle,
             "asynchronous": asynchronous}
@@ -218,7 +210,7 @@ def _compute_floor(model_name, batches, cfg):
     return statistics.median(t.tolist())
 
 
-def worker_main(cfg, network, result_path):
+def worker_main(cfg, network, result_path, phase="run"):
     """Runs on every rank (spawned by the launcher or under torchrun); rank 0 appends JSON lines.
 
     Joins the default process group from the environment, unless one exists already (then it is left
@@ -244,7 +236,10 @@ def worker_main(cfg, network, result_path):
     if cfg["mode"] == "convergence":
         from . import convergence
 
-        convergence.worker(cfg, network, rank, world, emit)
+        if phase == "timing":  # project_time: s/step on this network; the steps come from loopback
+            convergence.timing_worker(cfg, network, rank, world, emit)
+        else:
+            convergence.worker(cfg, network, rank, world, emit)
         if owned:
             dist.destroy_process_group()
         return
@@ -295,21 +290,114 @@ def _free_port():
         return s.getsockname()[1]
 
 
-_last_progress = [None]
+def format_eta(seconds):
+    """A duration for the progress line: '42 s', '4 min 05 s', '1 h 02 min'."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"
 
 
-def _progress(done, total, label, width=30):
-    """A progress bar on a terminal; one line per change otherwise (CI logs)."""
-    if _last_progress[0] == (done, label):
-        return
-    _last_progress[0] = (done, label)
-    filled = int(width * done / max(1, total))
-    bar = f"[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label[:60]}"
-    sys.stderr.write(f"\r{bar:<100}" if sys.stderr.isatty() else bar + "\n")
-    sys.stderr.flush()
+def plan_cells(cfg, networks):
+    """Every cell of the run in the order the workers write them: (kind, network, P, model, label, seed);
+    kind ``train`` (convergence), ``timing`` (project_time's s/step runs) or ``cell`` (throughput)."""
+    plan = []
+    if cfg["mode"] == "convergence":
+        for phase, nets in launches(cfg, networks):
+            kind = "timing" if phase == "timing" else "train"
+            for network in nets:
+                for P in cfg["world_sizes"]:
+                    for seed in (cfg["seeds"] if kind == "train" else [None]):
+                        for model in cfg["models"]:
+                            plan += [(kind, network, P, model, c["label"], seed) for c in cfg["algorithms"]]
+        return plan
+    for network in networks:
+        for P in cfg["world_sizes"]:
+            for model in cfg["models"]:
+                plan += [("cell", network, P, model, c["label"] + (f" [straggler {s}]" if s != "none" else ""), None)
+                         for _ in range(cfg["repeats"]) for s in cfg["stragglers"] for c in cfg["algorithms"]]
+    return plan
 
 
-def launch(cfg, config_path, network, world_size, result_path, total):
+def launches(cfg, networks):
+    """[(phase, networks)]: what runs where. project_time: every cell trains on loopback, then timing runs
+    on each throttled network; otherwise every cell runs on every network."""
+    from . import netem
+
+    if cfg["mode"] == "convergence" and cfg.get("project_time"):
+        throttled = [n for n in networks if netem.NETWORKS[n] is not None]
+        return [("run", ["loopback"])] + ([("timing", throttled)] if throttled else [])
+    return [("run", list(networks))]
+
+
+class Progress:
+    """Which cell is running (i/N, its label, network, P) and an estimate of the time left: each remaining
+    cell is expected to take as long as the finished ones of its kind on its network took on average (of
+    its kind, else of all, when none has finished yet). On a terminal one line redrawn; otherwise a line
+    per cell, and again every ``every_s`` seconds (logs)."""
+
+    def __init__(self, plan, out=None, every_s=120.0, clock=time.monotonic):
+        self.plan, self.out, self.every_s, self.clock = plan, out, every_s, clock
+        self.t0 = clock()
+        self.done_at = []
+        self._shown, self._shown_at = None, None
+
+    def _durations(self):
+        prev, out = self.t0, []
+        for t in self.done_at:
+            out.append(t - prev)
+            prev = t
+        return out
+
+    def eta(self, done, now=None):
+        """Seconds left, or None before the first cell finished."""
+        now = self.clock() if now is None else now
+        took = self._durations()
+        if not took:
+            return None
+        def mean(sel):
+            v = [d for d, c in zip(took, self.plan) if sel(c)]
+            return sum(v) / len(v) if v else None
+        left = 0.0
+        for i, c in enumerate(self.plan[done:], start=done):
+            est = mean(lambda d: d[:2] == c[:2]) or mean(lambda d: d[0] == c[0]) or mean(lambda d: True)
+            if i == done:  # the running cell has been at it since the last one finished
+                est = max(0.0, est - (now - (self.done_at[-1] if self.done_at else self.t0)))
+            left += est
+        return left
+
+    def line(self, done, now=None, width=24):
+        now = self.clock() if now is None else now
+        total = len(self.plan)
+        filled = int(width * done / max(1, total))
+        bar = f"[{'#' * filled}{'.' * (width - filled)}]"
+        if done >= total:
+            return f"{bar} {total}/{total} cells done in {format_eta(now - self.t0)}"
+        kind, network, P, model, label, seed = self.plan[done]
+        what = {"train": "training", "timing": "timing (s/step)", "cell": "throughput"}[kind]
+        eta = self.eta(done, now)
+        return (f"{bar} cell {done + 1}/{total}: {label} on {network} P={P} {model}"
+                + (f" seed {seed}" if seed is not None and kind == "train" else "") + f" [{what}] | "
+                + f"{format_eta(now - self.t0)} elapsed, "
+                + ("time left: estimated after the first cell" if eta is None else f"about {format_eta(eta)} left"))
+
+    def update(self, done):
+        now = self.clock()
+        while len(self.done_at) < min(done, len(self.plan)):
+            self.done_at.append(now)
+        out = self.out or sys.stderr
+        tty = out.isatty() if hasattr(out, "isatty") else False
+        if not tty and self._shown == done and now - self._shown_at < self.every_s:
+            return
+        self._shown, self._shown_at = done, now
+        text = self.line(done, now)
+        out.write(f"\r{text:<140}" if tty else text + "\n")
+        out.flush()
+
+
+def launch(cfg, config_path, network, world_size, result_path, progress, phase="run"):
     """Start ``world_size`` workers for one network condition; wait, showing progress."""
     from . import netem
 
@@ -317,6 +405,7 @@ def launch(cfg, config_path, network, world_size, result_path, total):
     env_base = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                     BAGUA_LITE_BENCH_NETWORK=network, OMP_NUM_THREADS=threads,
                     BAGUA_LITE_BENCH_THREADS=threads)
+    env_base.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
     port = _free_port()
     emu = None
     try:
@@ -328,17 +417,17 @@ def launch(cfg, config_path, network, world_size, result_path, total):
             master = "127.0.0.1"
         procs = []
         for r in range(world_size):
-            env = dict(env_base, RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR=master, MASTER_PORT=str(port))
+            env = dict(env_base, RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR=master, MASTER_PORT=str(port),
+                       BAGUA_LITE_BENCH_ADDR=emu.address(r) if emu is not None else "127.0.0.1")
             argv = [sys.executable, "-m", "bagua_lite.bench", "--config", config_path, "--worker",
-                    "--network", network, "--result-file", result_path]
+                    "--network", network, "--result-file", result_path, "--phase", phase]
             if emu is not None:
                 env["GLOO_SOCKET_IFNAME"] = emu.interface(r)
                 argv = emu.command(r, argv)
             procs.append(subprocess.Popen(argv, env=env))
         deadline = time.monotonic() + cfg["timeout_s"] * 2
         while any(p.poll() is None for p in procs):
-            cells = _count_cells(result_path)
-            _progress(cells, total, f"{network} P={world_size}")  # the file holds every launch's cells
+            progress.update(_count_cells(result_path))  # the file holds every launch's cells
             failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
             if failed or time.monotonic() > deadline:
                 for p in procs:
@@ -358,7 +447,8 @@ def _count_cells(path):
     if not os.path.exists(path):
         return 0
     with open(path) as f:
-        return sum(1 for line in f if '"kind": "cell"' in line or '"kind": "convergence"' in line)
+        return sum(1 for line in f if '"kind": "cell"' in line or '"kind": "convergence"' in line
+                   or '"kind": "timing"' in line)
 
 
 def _read(path):
@@ -375,8 +465,12 @@ def main(argv=None):
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--network", default="loopback", help=argparse.SUPPRESS)
     ap.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--phase", default="run", choices=("run", "timing"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cfg = load_benchmark_config(args.config)
+    if not args.worker:
+        for note in cfg["skipped"]:
+            print(f"benchmark: {note}", file=sys.stderr)
     project = [int(p) for p in args.project.split(",") if p.strip()] or list(cfg["project"])
     if project and cfg["mode"] == "convergence":
         ap.error("--project projects step times: it needs mode throughput, the config says mode convergence")
@@ -386,7 +480,7 @@ def main(argv=None):
         path = args.result_file or os.path.join(args.out, "records.jsonl")
         if not args.worker:
             os.makedirs(args.out, exist_ok=True)
-        worker_main(cfg, os.environ.get("BAGUA_LITE_BENCH_NETWORK", args.network), path)
+        worker_main(cfg, os.environ.get("BAGUA_LITE_BENCH_NETWORK", args.network), path, args.phase)
         if args.worker:
             # Results are on disk and the group is destroyed. Skip interpreter teardown: destructors of
             # leftover DDP/gloo objects at exit can abort a process whose work is already done.
@@ -409,20 +503,19 @@ def main(argv=None):
         path = os.path.join(args.out, "records.jsonl")
         if os.path.exists(path):
             os.unlink(path)
-        per_launch = (len(cfg["models"]) * len(cfg["stragglers"]) * len(cfg["algorithms"])
-                      * len(cfg.get("seeds") or [0]) * cfg["repeats"])  # seeds: convergence mode only
-        total = per_launch * len(networks) * len(cfg["world_sizes"])
-        t0 = time.monotonic()
-        for network in networks:
-            for P in cfg["world_sizes"]:
-                launch(cfg, args.config, network, P, path, total)
-        _progress(total, total, f"done in {time.monotonic() - t0:.0f} s")
+        progress = Progress(plan_cells(cfg, networks))
+        for phase, nets in launches(cfg, networks):
+            for network in nets:
+                for P in cfg["world_sizes"]:
+                    launch(cfg, args.config, network, P, path, progress, phase)
+        progress.update(len(progress.plan))
         sys.stderr.write("\n")
         records = _read(path)
     if cfg["mode"] == "convergence":
         rows = summarize_convergence(records)
         combined = combine_seeds(rows)
         print_convergence_table(combined)
+        convergence_figures(combined)
         auto_convergence_report(combined)
         written = write_convergence_outputs(rows, args.out, combined)
         print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))

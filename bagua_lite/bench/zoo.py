@@ -13,6 +13,11 @@ classifier, as is usual for CIFAR:
   and an LM head tied to the token embedding). ``gpt_small`` in the benchmark is vocab 256, 64 tokens,
   d_model 256, 4 layers, 4 heads: 3,241,472 parameters, ``gpt_parameters`` gives the closed form.
 
+* ``hf_gpt2``: Hugging Face's ``GPT2LMHeadModel`` built locally from a ``GPT2Config`` of gpt_small's size
+  (vocab 256, 64 positions, d_model 256, 4 layers, 4 heads, no dropout: 3,241,472 parameters, the same
+  count), on the same Markov task. Needs the optional ``transformers`` package (the ``transformers``
+  extra); the benchmark skips the model with a one-line note without it.
+
 Weights are random (seeded by the caller); nothing is downloaded.
 """
 import torch
@@ -172,7 +177,42 @@ def gpt_parameters(vocab: int, seq_len: int, d_model: int, layers: int) -> int:
 
 
 # ---- the benchmark's models, by name ---------------------------------------------------------------------------
-MODELS = ("mlp25m", "cnn", "mlp_small", "mlp_digits", "resnet18", "vgg16", "gpt_small")
+MODELS = ("mlp25m", "cnn", "mlp_small", "mlp_digits", "resnet18", "vgg16", "gpt_small", "hf_gpt2")
+#: models that need an optional package: name -> (module to import, how to install it)
+OPTIONAL_MODELS = {"hf_gpt2": ("transformers", "pip install transformers --no-deps and its light dependencies "
+                                               "(huggingface_hub, tokenizers, safetensors, regex, tqdm, typer), "
+                                               "or the bagua_lite[transformers] extra")}
+
+
+def optional_model_missing(name):
+    """Why ``name`` cannot be built here (its optional package is not installed), or None."""
+    import importlib.util
+
+    if name not in OPTIONAL_MODELS:
+        return None
+    module, how = OPTIONAL_MODELS[name]
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not installed ({how})"
+    return None
+
+
+class HFGPT2(nn.Module):
+    """Hugging Face's GPT-2 (``transformers.GPT2LMHeadModel``) from a local config: token ids (batch, seq) ->
+    next-token logits (batch, seq, vocab), as ``GPT``. No download: the config is built here."""
+
+    def __init__(self, vocab: int = 256, seq_len: int = 64, d_model: int = 256, layers: int = 4, heads: int = 4):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=d_model, n_layer=layers, n_head=heads,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+                            use_cache=False)
+        self.gpt2 = GPT2LMHeadModel(config)
+
+    def forward(self, idx):
+        return self.gpt2(input_ids=idx, use_cache=False).logits
 
 
 class InputSpec:
@@ -225,4 +265,9 @@ def make_model(name, seed=0):
         return globals()[name](num_classes=10, cifar=True), InputSpec((3, 32, 32))
     if name == "gpt_small":  # the Adam/AdamW case (qadam): 3.2M parameters, 64-token sequences
         return gpt(vocab=256, seq_len=64, d_model=256, layers=4, heads=4), InputSpec((64,), vocab=256, task="markov")
+    if name == "hf_gpt2":  # the same size and task through Hugging Face's implementation (optional package)
+        why = optional_model_missing(name)
+        if why:
+            raise ValueError(f"model hf_gpt2: {why}")
+        return HFGPT2(vocab=256, seq_len=64, d_model=256, layers=4, heads=4), InputSpec((64,), vocab=256, task="markov")
     raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
