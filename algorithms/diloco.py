@@ -8,62 +8,36 @@ outer optimizer step on the averaged pseudo-gradient. Local SGD is its special c
         theta   <- OuterOpt(theta, delta)               (default SGD, lr 0.7, Nesterov momentum 0.9)
         x_r     <- theta                                (every replica: identical)
 
+Streaming DiLoCo (arXiv 2501.18512) are options of the same class: ``fragments`` F splits the parameters
+into F contiguous parts of about equal size, each with its own anchor and outer optimizer; fragment f
+syncs at the local steps s with ``(s - f*H//F) % H == 0``. ``overlap`` tau > 0 runs that sync on a thread
+of its own while training goes on for tau more steps, then merges it: ``x_f <- alpha * x_f + (1 - alpha) *
+theta_f`` (``alpha`` 0: the replicas' fragment is theta_f, identical everywhere). Peak traffic is 1/F of a
+full sync, and with tau > 0 no step waits for the network unless the sync outlasts tau steps.
+
 ``outer_optimizer``: ``{name: <a torch.optim class, any case>, <its keyword arguments>}``. Its state (momentum)
-and the anchor are in ``state_dict()``, so a resumed run continues bit for bit.
+and the anchor, and a sync still in flight, are in ``state_dict()``, so a resumed run continues bit for bit.
 """
-import inspect
-
-import torch
-
-from bagua_lite import cost_model as cm
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
 
-DEFAULT_OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
-PLAIN = {"name": "sgd", "lr": 1.0}  # the outer step that is the average itself: local SGD
-
-
-def plain_average(spec) -> bool:
-    """Outer SGD at lr 1 without momentum or decay sets theta to the mean of the replicas: it is taken as
-    that average (local SGD's exact path), not as theta - (theta - mean)."""
-    spec = DEFAULT_OUTER if spec is None else spec
-    rest = {k: v for k, v in spec.items() if k not in ("name", "lr")}
-    return spec.get("name", "").lower() == "sgd" and spec.get("lr") == 1 and not any(rest.values())
-
-
-def outer_optimizer_class(spec, who):
-    """(torch.optim class, keyword arguments) of an ``outer_optimizer`` option, checked by building it."""
-    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
-        raise ValueError(f"{who}: outer_optimizer must be {{name: <torch.optim class>, <its options>}}, got {spec!r}")
-    classes = {n.lower(): c for n, c in vars(torch.optim).items()
-               if inspect.isclass(c) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
-    cls = classes.get(spec["name"].lower())
-    if cls is None or cls is torch.optim.LBFGS:
-        raise ValueError(f"{who}: outer_optimizer name {spec['name']!r} is not a torch.optim optimizer; choose one "
-                         f"of {', '.join(sorted(n for n in classes if n != 'lbfgs'))}")
-    kwargs = {k: v for k, v in spec.items() if k != "name"}
-    try:
-        cls([torch.zeros(1)], **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{who}: outer_optimizer {spec!r}: {e}") from None
-    return cls, kwargs
+from ._family import DEFAULT_OUTER, PLAIN, check_options, family_traffic, outer_optimizer_class, plain_average  # noqa: F401
+from ._streaming import Background, Sync, split
 
 
 @register("diloco")
 class DiLoCo(Algorithm):
     def __init__(self, period: int = 500, warmup_steps: int = 0, compression: str = "none",
-                 outer_optimizer: dict = None):
+                 outer_optimizer: dict = None, fragments: int = 1, overlap: int = 0, alpha: float = 0.0):
         super().__init__()
-        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
-            raise ValueError(f"{self.name}: period must be >= 1, got {period!r}")
-        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-            raise ValueError(f"{self.name}: warmup_steps must be >= 0, got {warmup_steps!r}")
+        check_options(self.name, period, warmup_steps, fragments, overlap, alpha)
         get_compressor(compression, self.name)  # validate the name now, before any traffic
         self.period, self.warmup_steps, self.compression = period, warmup_steps, compression
+        self.fragments, self.overlap, self.alpha = fragments, overlap, float(alpha)
         self.outer_spec = dict(DEFAULT_OUTER if outer_optimizer is None else outer_optimizer)
         self._outer_class = outer_optimizer_class(self.outer_spec, self.name)
-        self.outer = None
+        self.outers, self.pending, self.background = [], {}, None
 
     def plain_average(self) -> bool:
         return plain_average(self.outer_spec)
@@ -78,23 +52,26 @@ class DiLoCo(Algorithm):
 
     @classmethod
     def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
-        """After the warm-up: one exchange every ``period`` steps after the step, nothing overlapped (a ring
-        allreduce of the weights or of their change, or the compressed allreduce of the change); an outer
-        optimizer adds a few passes over the weights (the pseudo-gradient, its step, the copy back)."""
-        n, c = sum(numels), o["compression"]
-        local = 0.0
-        if machine is not None:
-            local = cm.weight_average_s(c, P, n, machine, apply_passes=1)
-            if not plain_average(o.get("outer_optimizer", PLAIN)):
-                local += 4 * n * machine.add_s_per_elem
-        return cm.Traffic("after_step", exchange=cm.weight_average(c, P, n, elem_bytes, rank), local_s=local,
-                          every=o["period"], warmup=True)
+        return family_traffic(o, P, numels, elem_bytes, machine, rank)
 
     def init(self, model):
-        self.averager = WeightAverager(model.params, self.compression, self.name, anchored=not self.plain_average())
+        if len(model.params) < self.fragments:
+            raise ValueError(f"{self.name}: fragments={self.fragments} but the model has {len(model.params)} "
+                             f"parameter tensors; use at most that many fragments")
+        anchored = not self.plain_average() or self.overlap > 0
+        self.frags = [WeightAverager(part, self.compression, self.name, anchored=anchored)
+                      for part in (split(model.params, self.fragments) if self.fragments > 1 else [model.params])]
+        self.offsets = [f * self.period // self.fragments for f in range(self.fragments)]
         if not self.plain_average():
             cls, kwargs = self._outer_class
-            self.outer = cls(self.averager.anchors, **kwargs)  # the anchor theta is what it steps
+            self.outers = [cls(frag.anchors, **kwargs) for frag in self.frags]  # the anchors are what it steps
+        if self.overlap:
+            self.background = Background(model, self.name)  # collective (a process group of its own)
+
+    @property
+    def averager(self):
+        """The first fragment's weight averager (the only one unless ``fragments`` > 1)."""
+        return self.frags[0]
 
     def bucket_ops(self, bucket):
         return [self.native.AllreduceOp(self.process_group, True)]
@@ -103,32 +80,67 @@ class DiLoCo(Algorithm):
         return self.step < self.warmup_steps
 
     def after_step(self):
-        local_steps = self.step - self.warmup_steps
-        if local_steps == 0:
-            self.averager.reset_anchor()  # replicas are identical at the end of warm-up
-        if local_steps > 0 and local_steps % self.period == 0:
-            self.model.run_collective(f"{self.name} sync", self._sync)  # fails fast on a peer's failure
+        s = self.step - self.warmup_steps  # local steps taken
+        if s == 0:
+            for frag in self.frags:
+                frag.reset_anchor()  # replicas are identical at the end of warm-up
+        for f in [f for f, job in self.pending.items() if job.step - self.warmup_steps + self.overlap == s]:
+            self._merge(f)
+        for f, offset in enumerate(self.offsets):
+            if s > 0 and (s - offset) % self.period == 0:
+                if self.overlap:
+                    self.frags[f].take_change()
+                    self.pending[f] = self.background.submit(self.frags[f].reduce_work, self.step)
+                else:  # fails fast on a peer's failure
+                    self.model.run_collective(f"{self.name} sync", lambda f=f: self._sync_now(f))
 
-    def _sync(self):
+    def _sync_now(self, f):
         # ranks sync when *their* step count says so: a rank a step ahead would pair its sync with the
         # others' one step apart and the replicas would silently differ
         self.model.check_in_step("nothing was averaged")
-        if self.outer is None:
-            self.averager.average(self.process_group)
-            return
-        for anchor, change in zip(self.averager.anchors, self.averager.reduce_change(self.process_group)):
-            anchor.grad = change.neg_()  # the pseudo-gradient: theta - mean x
-        self.outer.step()
-        self.averager.load_anchor()
+        if not self.frags[f].anchored:
+            self.frags[f].average(self.process_group)
+        else:
+            self.frags[f].reduce_change(self.process_group)
+            self._apply(f)
+
+    def _merge(self, f):
+        self.pending.pop(f).wait(self.model, f"{self.name}: fragment {f}'s sync")  # raises on every rank if bad
+        self._apply(f)
+
+    def _apply(self, f):
+        """theta_f <- the outer step on the averaged change in the work buffers; x_f <- theta_f (mixed)."""
+        frag = self.frags[f]
+        for anchor, change in zip(frag.anchors, frag.work):
+            if self.outers:
+                anchor.grad = change.neg_()  # the pseudo-gradient: theta - mean x
+            else:
+                anchor.add_(change)  # plain averaging: theta + mean (x - theta)
+        if self.outers:
+            self.outers[f].step()
+        frag.load_anchor(self.alpha if self.overlap else 0.0)
+
+    def close(self):
+        if self.background is not None and not self.model.peer_failed():
+            self.background.stop()  # the syncs in flight finish, so no peer is left waiting
+        # (after a peer's failure its daemon thread stays until its sync fails; the exit hook waits for it)
 
     def state_dict(self):
-        state = {"step": self.step, "averager": self.averager.state_dict()}
-        if self.outer is not None:
-            state["outer"] = self.outer.state_dict()
-        return state
+        for job in self.pending.values():
+            self.model.wait_for(job.done)  # what a sync in flight brings back is part of the state
+        return {"step": self.step, "fragments": [
+            {"averager": frag.state_dict(), "outer": self.outers[f].state_dict() if self.outers else None,
+             "pending": self.pending[f].saved(frag.work) if f in self.pending else None}
+            for f, frag in enumerate(self.frags)]}
 
     def load_state_dict(self, state):
-        self.step = int(state["step"])
-        self.averager.load_state_dict(state.get("averager"))
-        if self.outer is not None:
-            self.outer.load_state_dict(state["outer"])
+        if len(state["fragments"]) != len(self.frags):
+            raise ValueError(f"{self.name}: the saved state has {len(state['fragments'])} fragments, this run "
+                             f"{len(self.frags)}")
+        self.step, self.pending = int(state["step"]), {}
+        for f, (frag, saved) in enumerate(zip(self.frags, state["fragments"])):
+            frag.load_state_dict(saved["averager"])
+            if self.outers:
+                self.outers[f].load_state_dict(saved["outer"])
+            if saved["pending"] is not None:  # a sync in flight when saved: merged at its step, as it was
+                self.pending[f] = Sync.restored(saved["pending"], frag.work)

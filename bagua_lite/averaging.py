@@ -48,18 +48,35 @@ class WeightAverager:
     def reduce_change(self, group) -> List[torch.Tensor]:
         """The ranks' mean change since the anchor, mean_r (x_r - a), into the work buffers (compressed
         with error feedback where a compressor is set; collective). Needs ``anchored``."""
-        for i, (flat, work) in enumerate(zip(self.weights.gather(), self.work)):
-            torch.sub(flat, self.anchors[i], out=work)
+        self.take_change()
+        return self.reduce_work(group)
+
+    def take_change(self) -> None:
+        """This rank's change since the anchor, x - a, into the work buffers (local; needs ``anchored``)."""
+        for flat, anchor, work in zip(self.weights.gather(), self.anchors, self.work):
+            torch.sub(flat, anchor, out=work)
+
+    def reduce_work(self, group) -> List[torch.Tensor]:
+        """Average the work buffers over ``group`` in place (collective), compressed with error feedback
+        where a compressor is set. Touches only the work buffers and residuals, never the parameters, so
+        it may run on another thread while training goes on."""
+        for i, work in enumerate(self.work):
             if self.compressor is None:
                 comm.allreduce(work, "avg", group=group)
             else:
                 comm.compressed_allreduce(work, self.compressor, group=group, residual=self.residuals[i])
         return self.work
 
-    def load_anchor(self) -> None:
-        """Set the weights to the anchor (after an outer optimizer moved it)."""
-        for (_, flat), anchor in zip(self.weights.groups, self.anchors):
-            flat.copy_(anchor)
+    def load_anchor(self, keep: float = 0.0) -> None:
+        """Set the weights to the anchor (after an outer optimizer moved it); with ``keep`` > 0 to the mix
+        ``keep * x + (1 - keep) * anchor`` instead (streaming DiLoCo's merge of a sync that ran while
+        training went on)."""
+        weights = self.weights.gather() if keep else [flat for _, flat in self.weights.groups]
+        for flat, anchor in zip(weights, self.anchors):
+            if keep:
+                flat.mul_(keep).add_(anchor, alpha=1.0 - keep)
+            else:
+                flat.copy_(anchor)
         self.weights.scatter()
 
     def snapshot(self) -> None:

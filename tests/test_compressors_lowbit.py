@@ -306,7 +306,7 @@ def _r_diloco(rank, P, compression, H, syncs):
         (identical_after_sync if (s + 1) % H == 0 else differ_between).append(same)
     state = model.algorithm.state_dict()
     model.close()
-    residual = float(sum(r.abs().sum() for r in state["averager"]["residuals"]))
+    residual = float(sum(r.abs().sum() for r in state["fragments"][0]["averager"]["residuals"]))
     moved = float((_flat(net) - start).abs().max())
     finite = bool(torch.isfinite(_flat(net)).all())
     return identical_after_sync, differ_between, residual, moved, finite

@@ -91,7 +91,7 @@ def _r_against_reference(rank, P, outer, ckpt):
     mine, state = _train(rank, "diloco", {"period": H, "outer_optimizer": outer}, steps)
     resumed, state2 = _train(rank, "diloco", {"period": H, "outer_optimizer": outer}, steps, ckpt, resume_at=H + 2)
     outer_same = all(torch.equal(a, b) for k in ref_outer for a, b in
-                     zip(ref_outer[k].values(), state["outer"]["state"][k].values()) if isinstance(a, torch.Tensor))
+                     zip(ref_outer[k].values(), state["fragments"][0]["outer"]["state"][k].values()) if isinstance(a, torch.Tensor))
     return {"same": torch.equal(ref, mine), "outer_same": outer_same and bool(ref_outer),
             "resumed": torch.equal(mine, resumed), "moved": float((mine - _flat(_net())).abs().max())}
 
@@ -128,7 +128,7 @@ def _r_compressed(rank, P):
     everyone = [torch.empty_like(mine) for _ in range(P)]
     torch.distributed.all_gather(everyone, mine)
     return all(torch.equal(everyone[0], t) for t in everyone), float(sum(r.abs().sum() for r in
-                                                                       state["averager"]["residuals"]))
+                                                                       state["fragments"][0]["averager"]["residuals"]))
 
 
 def test_diloco_compressed_pseudo_gradient_keeps_replicas_identical(clusters):

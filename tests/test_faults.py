@@ -111,6 +111,7 @@ OWN = {  # label: (algorithm options, what fails on rank 1)
     "decentralized": ({}, "_exact_deltas"),  # after its exchange, on the training thread
     "low_precision_decentralized": ({}, "_compressed_exchange"),  # on its exchange thread, before sending
     "async_model_average": ({"sync_interval_ms": 20}, "averager.reduce"),  # on its averaging thread
+    "diloco": ({"period": 2, "overlap": 1}, "averager.reduce_work"),  # a streaming sync, on its thread
 }
 
 
@@ -168,6 +169,7 @@ EVERY = {
     "gtopk": {"density": 0.1}, "powersgd": {"rank": 2}, "qadam": {"warmup_steps": 2},
     "decentralized": {}, "low_precision_decentralized": {}, "local_sgd": {"period": 2},
     "async_model_average": {"sync_interval_ms": 20},
+    "diloco": {"period": 2, "fragments": 2, "overlap": 1},  # streaming: syncs on a thread of their own
 }
 
 

@@ -1,0 +1,107 @@
+"""Streaming DiLoCo's parts (Douillard et al., arXiv 2501.18512): the parameters split into fragments that
+sync in turn, and one thread that runs a fragment's sync while training goes on.
+
+The thread runs syncs in the order they were started, on a process group of its own (the model's group
+stays the training thread's). Each sync first agrees on the step it started at (one allreduce of two
+ints); ranks that disagree skip the data on every rank alike, and the merge then raises: a rank a step
+ahead would otherwise pair its fragment with the others' and the replicas would silently differ.
+"""
+import atexit
+import queue
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from bagua_lite import runtime
+from bagua_lite._groups import new_group_like
+
+
+def split(params, fragments):
+    """``fragments`` contiguous runs of ``params`` (the model's order) holding about equal numbers of
+    elements, none empty (needs ``len(params) >= fragments``)."""
+    total, runs, run, acc = sum(p.numel() for p in params), [], [], 0
+    for i, p in enumerate(params):
+        run.append(p)
+        acc += p.numel()
+        needed, left = fragments - len(runs) - 1, len(params) - i - 1
+        if needed > 0 and (acc * fragments >= total * (len(runs) + 1) or left == needed):
+            runs.append(run)
+            run = []
+    return runs + [run]
+
+
+class Sync:
+    """One fragment's sync in flight: ``done`` is set once the thread finished it (``error`` if it failed,
+    ``steps`` the (lowest, highest) step the ranks started it at)."""
+
+    def __init__(self, fn, step):
+        self.fn, self.step = fn, step
+        self.done, self.error, self.steps = threading.Event(), None, None
+
+    def saved(self, work):
+        """What a checkpoint keeps of a finished sync not merged yet (its result is in ``work``)."""
+        return {"step": self.step, "steps": self.steps, "work": [w.clone() for w in work]}
+
+    def wait(self, model, what):
+        """Wait for the sync, failing fast (its collective may wait on a failed peer); raise, on every rank
+        alike, if it failed or the ranks started it at different steps."""
+        model.wait_for(self.done)
+        if self.error is not None:
+            model.fail(f"{what} failed: {self.error}")
+            raise RuntimeError(f"{what} failed on rank {model.rank}: {self.error}") from self.error
+        if self.steps[0] != self.steps[1]:
+            raise RuntimeError(f"{what}: ranks are out of step: they started it at steps {self.steps[0]} to "
+                               f"{self.steps[1]} (this rank ({model.rank}): {self.step}). Every rank must call "
+                               f"optimizer.step() once per step, the same number of times; nothing was averaged")
+
+    @classmethod
+    def restored(cls, saved, work):
+        job = cls(None, saved["step"])
+        job.steps = tuple(saved["steps"])
+        for w, s in zip(work, saved["work"]):
+            w.copy_(s)
+        job.done.set()
+        return job
+
+
+class Background:
+    """The thread that runs syncs (``submit``) one after another on its own process group."""
+
+    def __init__(self, model, name):
+        self.group = new_group_like(model.process_group)  # collective: every rank builds it, in order
+        self.name, self._jobs, self._thread = name, queue.Queue(), None
+        self._steps = torch.zeros(2, dtype=torch.int64)
+
+    def submit(self, fn, step) -> Sync:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"bagua_lite-{self.name}", daemon=True)
+            self._thread.start()
+            # At exit it must not sit in a collective (one failing as peers exit would wake it during
+            # interpreter finalization and abort the process): end it after its sync.
+            self._atexit = lambda ref=weakref.ref(self): ref() and ref().stop(runtime.exit_wait_s())
+            atexit.register(self._atexit)
+        job = Sync(fn, step)
+        self._jobs.put(job)
+        return job
+
+    def _serve(self):
+        while (job := self._jobs.get()) is not None:
+            try:
+                self._steps[0], self._steps[1] = job.step, -job.step
+                dist.all_reduce(self._steps, op=dist.ReduceOp.MAX, group=self.group)
+                job.steps = (-int(self._steps[1]), int(self._steps[0]))
+                if job.steps[0] == job.steps[1]:  # every rank alike: all skip the data, or none
+                    job.fn(self.group)
+            except BaseException as e:  # noqa: B902 (raised on the training thread by the merge)
+                job.error = e
+            job.done.set()
+
+    def stop(self, timeout=None):
+        """End the thread once the syncs queued before are done (at most ``timeout`` seconds)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            atexit.unregister(self._atexit)
+            self._jobs.put(None)
+            thread.join(timeout)
