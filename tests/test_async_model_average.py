@@ -192,10 +192,10 @@ def test_dead_peer_raises_in_training_thread():
 
 
 @pytest.mark.parametrize("options, pattern", [
-    ({"sync_interval_ms": 0}, r"sync_interval_ms must be an integer >= 1.*got 0"),
+    ({"sync_interval_ms": 0}, r"sync_interval_ms must be an int >= 1.*got 0"),
     ({"sync_interval_ms": -5}, r"sync_interval_ms.*got -5"),
     ({"sync_interval_ms": 0.5}, r"sync_interval_ms.*got 0.5"),
-    ({"warmup_steps": -1}, r"warmup_steps must be an integer >= 0, got -1"),
+    ({"warmup_steps": -1}, r"warmup_steps must be an int >= 0, got -1"),
     ({"compression": "bogus"}, r"unknown compression 'bogus'.*'minmax_uint8'"),
 ])
 def test_bad_options(options, pattern):

@@ -1,0 +1,65 @@
+"""``async_model_average``'s background thread: every ``interval_s``, on a process group of its own, the
+ranks agree whether to go on (a MIN of one flag: 0 once a rank is stopping), then each takes a snapshot
+of its weights under L, averages it over the ranks without L (training goes on) and applies the average
+under L as x + (avg - snapshot), keeping the local steps taken meanwhile (the loop of that module's
+docstring). L (:class:`StepLock`) is held by the training thread across each ``optimizer.step()``.
+``rounds`` counts completed averages (equal on all ranks); a failed round's exception is ``worker.error``.
+"""
+import threading
+
+import torch
+import torch.distributed as dist
+
+from bagua_lite._worker import Worker
+
+
+class StepLock:
+    """L: held by the training thread from ``hold()`` (before an optimizer step) to ``release()`` (after it;
+    again harmless), taken by the thread with ``with``. A step that raises leaves it held until the next
+    ``release()``, from the next forward or close."""
+
+    def __init__(self):
+        self._lock, self._held = threading.Lock(), False  # _held: only the training thread reads or writes it
+
+    def hold(self):
+        if not self._held:  # a step that raised left it held: keep it
+            self._lock.acquire()
+            self._held = True
+
+    def release(self):
+        if self._held:
+            self._held = False
+            self._lock.release()
+
+    def __enter__(self):
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+class AveragingThread:
+    def __init__(self, averager, group, interval_s: float, step_lock: StepLock):
+        self.averager, self.group, self.interval_s, self.step_lock = averager, group, interval_s, step_lock
+        self.rounds = 0
+        self.round_lock = threading.Lock()  # a whole round vs. state_dict / load_state_dict
+        self.worker = Worker("async_model_average")
+
+    def start(self):
+        self.worker.submit(self._run)
+
+    def _run(self):
+        flag, stopping = torch.ones(1, dtype=torch.int32), self.worker.stopping
+        while True:
+            stopping.wait(self.interval_s)  # stop() wakes it
+            flag.fill_(0 if stopping.is_set() else 1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            if int(flag) == 0:
+                return
+            with self.round_lock:
+                with self.step_lock:
+                    self.averager.snapshot()
+                self.averager.reduce(self.group)
+                with self.step_lock:
+                    self.averager.apply(delta=True)
+                self.rounds += 1
