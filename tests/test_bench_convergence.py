@@ -307,3 +307,276 @@ def test_auto_runs_as_a_convergence_cell_and_is_judged(tmp_path):
     within = auto["time_to_target_s"] <= 1.1 * best["time_to_target_s"]
     assert lines[0].endswith("-> within 10%" if within else "-> NOT within 10%")
     assert lines[1].endswith(f"in {int(within)}/1 cells")
+
+
+# ---- project_time, torchft's DiLoCo, hf_gpt2, progress (issue 24) ------------------------------------------------
+def _torchft_installed():
+    from bagua_lite.bench.cells import torchft_available
+    return torchft_available()[0]
+
+
+@pytest.mark.parametrize("text, pattern", [
+    (CONV + "target: 0.9\nmax_steps: 10\nproject_time: 1\n", r"project_time must be true or false, got 1"),
+    (CONV + "target: 0.9\nmax_steps: 10\ntiming_steps: 4\n",
+     r"timing_steps sets the timing runs of project_time: true"),
+    (CONV + "target: 0.9\nmax_steps: 10\nproject_time: true\ntiming_steps: 0\n", r"timing_steps must be an int >= 1, got 0"),
+    (CONV + "target: 0.9\nmax_steps: 10\nproject_time: true\ntiming_warmup_steps: -1\n",
+     r"timing_warmup_steps must be an int >= 0, got -1"),
+    ("mode: convergence\nmodels: [mlp_digits]\ntarget: 0.9\nmax_steps: 10\nproject_time: true\n"
+     "algorithms: [ddp, {name: async_model_average, sync_interval_ms: 50}]\n",
+     r"project_time cannot project async_model_average\(sync_interval_ms=50\): it is asynchronous"),
+    ("mode: convergence\nmodels: [mlp_digits]\ntarget: 0.9\nmax_steps: 10\nproject_time: true\n"
+     "algorithms: [ddp, auto]\n", r"project_time cannot project auto: its pick depends on the network"),
+    ("mode: convergence\nmodels: [mlp_digits]\ntarget: 0.9\nmax_steps: 10\nproject_time: true\nalgorithms: [ddp, "
+     "{name: topk, density: 0.01, warmup_densities: [0.1], warmup_steps_per_stage: 5}]\n",
+     r"project_time cannot project topk.*density schedule"),
+    (CONV.replace("[ddp]", "[ddp, {name: torchft_diloco, sync_every: 5}]") + "target: 0.9\nmax_steps: 10\n",
+     r"torchft_diloco has no option 'sync_every'; allowed: period, outer_optimizer"),
+    (CONV.replace("[ddp]", "[ddp, {name: torchft_diloco, period: 10, fragments: 3}]") + "target: 0.9\nmax_steps: 10\n",
+     r"torchft_diloco: period \(10\) must be a multiple of fragments \(3\)"),
+    (CONV.replace("[ddp]", "[ddp, {name: torchft_diloco, period: 8, fragments: 2, fragment_sync_delay: 4}]")
+     + "target: 0.9\nmax_steps: 10\n", r"fragment_sync_delay \(4\) must be < period / fragments \(4\)"),
+    (CONV.replace("[ddp]", "[ddp, {name: torchft_diloco, fragment_update_alpha: 2}]") + "target: 0.9\nmax_steps: 10\n",
+     r"fragment_update_alpha must be in \[0, 1\], got 2"),
+    (CONV.replace("[ddp]", "[ddp, {name: torchft_diloco, outer_optimizer: {name: nope}}]") + "target: 0.9\nmax_steps: 10\n",
+     r"torchft_diloco: outer_optimizer name 'nope' is not a torch.optim optimizer"),
+])
+def test_bad_projection_and_torchft_settings_name_the_key_and_value(tmp_path, text, pattern):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=pattern):
+        load_benchmark_config(str(p))
+
+
+def test_project_time_defaults_and_warmup_is_allowed(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("mode: convergence\nmodels: [mlp_digits]\ntarget: 0.9\nmax_steps: 10\nproject_time: true\n"
+                 "algorithms: [ddp, {name: local_sgd, period: 4, warmup_steps: 6}]\n")
+    cfg = load_benchmark_config(str(p))
+    assert cfg["project_time"] is True and (cfg["timing_steps"], cfg["timing_warmup_steps"]) == (6, 2)
+    assert cfg["skipped"] == []
+    p.write_text(CONV + "target: 0.9\nmax_steps: 10\n")
+    assert load_benchmark_config(str(p))["project_time"] is False
+
+
+def test_torchft_row_and_hf_model_are_skipped_with_a_note_when_not_installed(tmp_path, monkeypatch):
+    from bagua_lite.bench import cells
+    monkeypatch.setattr(cells, "torchft_available", lambda: (False, "ModuleNotFoundError: No module named 'torchft'"))
+    monkeypatch.setattr(zoo, "optional_model_missing", lambda m: "transformers is not installed (pip ...)"
+                        if m == "hf_gpt2" else None)
+    p = tmp_path / "c.yaml"
+    p.write_text("mode: convergence\nmodels: [gpt_small, hf_gpt2]\nmetric: loss\ntarget: 2\nmax_steps: 10\n"
+                 "algorithms: [ddp, {name: torchft_diloco, period: 5, label: torchft}]\n")
+    cfg = load_benchmark_config(str(p))
+    assert [a["name"] for a in cfg["algorithms"]] == ["ddp"] and cfg["models"] == ["gpt_small"]
+    assert cfg["skipped"][0] == "model hf_gpt2 skipped: transformers is not installed (pip ...)"
+    assert cfg["skipped"][1].startswith("torchft skipped: torchft is not installed (ModuleNotFoundError")
+    assert len(cfg["skipped"]) == 2 and all("\n" not in s for s in cfg["skipped"])
+    p.write_text("mode: convergence\nmodels: [hf_gpt2]\nmetric: loss\ntarget: 2\nmax_steps: 10\nalgorithms: [ddp]\n")
+    with pytest.raises(ValueError, match=r"no model left to run \(model hf_gpt2 skipped: transformers"):
+        load_benchmark_config(str(p))
+
+
+SKIP_SMOKE = """
+mode: convergence
+world_sizes: [2]
+networks: [loopback]
+models: [mlp_digits]
+batch_size: 16
+bucket_size_mb: 1
+lr: 0.05
+target: 0.5
+max_steps: 10
+eval_every: 5
+algorithms: [ddp, {name: torchft_diloco, period: 5}]
+"""
+
+
+def test_torchft_row_is_skipped_in_one_line_when_torchft_does_not_import(tmp_path):
+    """A run where ``import torchft`` fails (a stand-in module that raises, first on the path): one line on
+    stderr says the row is skipped and why, and the rest of the run goes on."""
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "torchft.py").write_text("raise ImportError('torchft hidden by the test')\n")
+    cfg = tmp_path / "skip.yaml"
+    cfg.write_text(SKIP_SMOKE)
+    env = dict(os.environ, PYTHONPATH=str(shim) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench", "--config", str(cfg), "--out", str(tmp_path / "o")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    notes = [line for line in proc.stderr.splitlines() if "skipped" in line]
+    assert notes == ["benchmark: torchft_diloco(period=5) skipped: torchft is not installed (ImportError: torchft "
+                     "hidden by the test; pip install torchft==0.2.0 --no-deps and opentelemetry-sdk "
+                     "opentelemetry-exporter-otlp-proto-http, or the bagua_lite[torchft] extra)"], proc.stderr
+    rows = json.loads((tmp_path / "o" / "results.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["ddp"]
+
+
+def _timing(label, times, cycle, tx=None, name="diloco", warmup_steps=0, phases=None, network="100mbit"):
+    return {"kind": "timing", "network": network, "world_size": 2, "model": "mlp_digits", "algorithm": name,
+            "label": label, "times": times, "cycle": cycle, "bytes": [0] * len(times), "tx_bytes": tx or [None] * len(times),
+            "warmup_steps": warmup_steps, "phases": phases}
+
+
+def _conv(label, name, hit, steps_run=40):
+    return {"kind": "convergence", "network": "loopback", "world_size": 2, "model": "mlp_digits", "algorithm": name,
+            "label": label, "options": {}, "optimizer": "sgd", "seed": 0, "metric": "accuracy", "target": 0.7,
+            "curve": [[0, 0.0, 0.1, 2.0], [20, 0.2, 0.5, 1.0], [40, 0.4, 0.8, 0.5]], "steps_to_target": hit,
+            "time_to_target_s": 0.4 if hit else None, "final_metric": 0.8, "final_loss": 0.5, "train_loss": 0.5,
+            "steps_run": steps_run, "train_s": 0.4, "eval_s": 0.1, "step_s": 0.01, "picked": None, "decision": None,
+            "bytes_per_step_counted": None, "bytes_per_step_wire": None}
+
+
+def test_projection_arithmetic_steps_from_loopback_times_measured_step():
+    from bagua_lite.bench.report import combine_seeds, project_records, summarize_convergence
+    records = [_conv("ddp", "ddp", 40), _conv("diloco", "diloco", 20),
+               # DDP: 1 s/step (median), 1e6 B/step on the link; diloco period 2: cycles (0.1+0.5)/2, (0.1+0.7)/2
+               _timing("ddp", [1.0, 1.2, 0.9], 1, tx=[1e6] * 3, name="ddp"),
+               _timing("diloco", [0.1, 0.5, 0.1, 0.7, 0.1, 0.9], 2, tx=[0, 2e5, 0, 2e5, 0, 2e5])]
+    proj = {r["label"]: r for r in project_records(records)}
+    assert proj["ddp"]["step_s"] == pytest.approx(1.0) and proj["ddp"]["time_to_target_s"] == pytest.approx(40.0)
+    assert proj["diloco"]["step_s"] == pytest.approx(0.4)  # median of the per-cycle means 0.3, 0.4, 0.5
+    assert proj["diloco"]["time_to_target_s"] == pytest.approx(20 * 0.4) and proj["diloco"]["train_s"] == pytest.approx(16)
+    assert [c[1] for c in proj["diloco"]["curve"]] == pytest.approx([0.0, 8.0, 16.0])
+    assert proj["diloco"]["bytes_per_step_wire"] == pytest.approx(1e5) and proj["diloco"]["projected"]
+    rows = combine_seeds(summarize_convergence(records))
+    by = {(r["network"], r["algorithm"]): r for r in rows}
+    assert by["100mbit", "diloco"]["speedup_vs_ddp"] == pytest.approx(40 / 8)
+    assert by["100mbit", "diloco"]["bytes_vs_ddp"] == pytest.approx(10)
+    assert by["100mbit", "diloco"]["projection"] == "projected: steps from loopback, s/step measured at 100mbit"
+    assert by["loopback", "diloco"]["projection"] is None and by["loopback", "diloco"]["time_to_target_s"] == 0.4
+    # a warm-up: the first 10 steps at the warm-up's 1 s/step, the rest at 0.2
+    warm = _timing("post", [0.2] * 4, 1, name="local_sgd", warmup_steps=10,
+                   phases={"warmup": {"times": [1.0] * 4, "cycle": 1}, "after": {"times": [0.2] * 4, "cycle": 1}})
+    (p,) = project_records([_conv("post", "local_sgd", 20), warm])
+    assert p["time_to_target_s"] == pytest.approx(10 * 1.0 + 10 * 0.2)
+    assert p["train_s"] == pytest.approx(10 + 30 * 0.2) and p["step_s"] == pytest.approx(16 / 40)
+    assert [c[1] for c in p["curve"]] == pytest.approx([0.0, 12.0, 16.0])
+
+
+def test_projected_table_says_so_and_figures_compare_with_each_baseline():
+    import io
+
+    from bagua_lite.bench.report import (combine_seeds, convergence_figures, print_convergence_table,
+                                         summarize_convergence)
+    records = [_conv("ddp", "ddp", 40), _conv("diloco", "diloco", 20), _conv("torchft", "torchft_diloco", 20),
+               _timing("ddp", [1.0] * 3, 1, tx=[1e6] * 3, name="ddp"),
+               _timing("diloco", [0.25] * 4, 2, tx=[1e4] * 4),
+               _timing("torchft", [0.5] * 4, 2, tx=[2e4] * 4, name="torchft_diloco")]
+    rows = combine_seeds(summarize_convergence(records))
+    buf = io.StringIO()
+    print_convergence_table(rows, buf)
+    text = buf.getvalue()
+    assert "PROJECTED: steps to target from the unthrottled (loopback) run, s/step measured at 100mbit" in text
+    assert text.count("PROJECTED") == 1 and "vs torchft" in text and "x fewer B" in text
+    buf = io.StringIO()
+    lines = convergence_figures(rows, buf)
+    assert ("mlp_digits on 100mbit, P=2 (projected): best of ours: diloco 5.00 s to target: 8.00x sooner than DDP, "
+            "2.00x sooner than torchft DiLoCo") in lines
+    assert ("mlp_digits on 100mbit, P=2 (projected): diloco vs torchft DiLoCo: time to target 0.50x torchft's "
+            "(2.00x sooner)") in lines
+    assert ("mlp_digits on 100mbit, P=2 (projected): bytes per step per rank vs DDP's 1.000 MB: diloco 100x fewer, "
+            "torchft 50x fewer") in lines
+    # every row trained the whole budget: the held-out loss at equal steps (loopback, not repeated per projection)
+    eq = [line for line in lines if "equal steps" in line]
+    assert eq == ["mlp_digits on loopback, P=2: held-out loss at equal steps (40): DDP 0.5000; diloco 0.5000 "
+                  "(+0.0%), torchft 0.5000 (+0.0%)"]
+
+
+def test_eta_formatting_and_progress_line():
+    import io
+
+    from bagua_lite.bench.runner import Progress, format_eta
+    assert [format_eta(s) for s in (0, 42.4, 60, 245, 3600, 3725, -3)] == [
+        "0 s", "42 s", "1 min 00 s", "4 min 05 s", "1 h 00 min", "1 h 02 min", "0 s"]
+    now = [100.0]
+    plan = [("train", "loopback", 2, "gpt_small", "ddp", 0), ("train", "loopback", 2, "gpt_small", "diloco", 0),
+            ("timing", "100mbit", 2, "gpt_small", "ddp", None), ("timing", "100mbit", 2, "gpt_small", "diloco", None)]
+    out = io.StringIO()
+    prog = Progress(plan, out=out, clock=lambda: now[0])
+    prog.update(0)
+    assert out.getvalue().splitlines()[-1].endswith(
+        "cell 1/4: ddp on loopback P=2 gpt_small seed 0 [training] | 0 s elapsed, time left: estimated after the first cell")
+    now[0] = 130.0
+    prog.update(1)  # the first cell took 30 s: 3 more cells of no other known kind, 90 s
+    assert out.getvalue().splitlines()[-1].endswith(
+        "cell 2/4: diloco on loopback P=2 gpt_small seed 0 [training] | 30 s elapsed, about 1 min 30 s left")
+    now[0] = 140.0
+    prog.update(2)  # training cells: 30 and 10 s (mean 20); timing cells: none yet, the mean of all (20)
+    assert "cell 3/4: ddp on 100mbit P=2 gpt_small [timing (s/step)] | 40 s elapsed, about 40 s left" in out.getvalue()
+    now[0] = 145.0
+    prog.update(3)  # timing cells took 5 s: one left
+    assert out.getvalue().splitlines()[-1].endswith("about 5 s left")
+    prog.update(3)  # nothing new, not a terminal: no new line within every_s
+    assert len(out.getvalue().splitlines()) == 4
+    now[0] = 150.0
+    prog.update(4)
+    assert out.getvalue().splitlines()[-1].endswith("4/4 cells done in 50 s")
+
+
+PROJECT_SMOKE = """
+mode: convergence
+world_sizes: [2]
+networks: [loopback, 100mbit]
+models: [mlp_digits]
+batch_size: 16
+bucket_size_mb: 1
+lr: 0.05
+target: 0.6
+max_steps: 30
+eval_every: 10
+stop_at_target: false
+project_time: true
+timing_steps: 4
+algorithms: [ddp, {name: diloco, period: 5}, {name: torchft_diloco, period: 5}]
+"""
+
+
+def test_project_time_end_to_end_and_torchft_follows_our_diloco(tmp_path):
+    """P = 2: every cell trains on loopback, then is timed on an emulated 100 Mbit/s link (loopback only,
+    labelled so, where emulation is not available); the projected rows are steps x s/step. torchft's DiLoCo
+    (when installed) and ours, same H, inner and outer optimizer, follow the same trajectory."""
+    from bagua_lite.bench import netem
+    cfg = tmp_path / "proj.yaml"
+    emulated = netem.available()[0]
+    cfg.write_text(PROJECT_SMOKE)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench", "--config", str(cfg), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    tft = _torchft_installed()
+    names = ["ddp", "diloco"] + (["torchft_diloco"] if tft else [])
+    assert [r["name"] for r in rows if r["network"] == "loopback"] == names
+    assert "cell 1/" in proc.stderr and "left" in proc.stderr
+    if not emulated:
+        assert not any(r["projected"] for r in rows)
+        return
+    proj = [r for r in rows if r["network"] == "100mbit"]
+    assert [r["name"] for r in proj] == names and all(r["projected"] for r in proj)
+    assert "PROJECTED" in proc.stdout
+    for r in proj:
+        src = next(x for x in rows if x["network"] == "loopback" and x["algorithm"] == r["algorithm"])
+        assert r["steps_run"] == src["steps_run"] == 30 and r["final_metric"] == src["final_metric"]
+        assert r["train_s"] == pytest.approx(30 * r["step_s"])
+        if r["steps_to_target"] is not None:
+            assert r["time_to_target_s"] == pytest.approx(r["steps_to_target"] * r["step_s"])
+        assert r["bytes_per_step_wire"] > 0
+    ddp, diloco = proj[0], proj[1]
+    assert ddp["bytes_per_step_wire"] > 3 * diloco["bytes_per_step_wire"]  # period 5: about 5x fewer
+    if tft:
+        ours = next(r for r in rows if r["network"] == "loopback" and r["name"] == "diloco")["curve"]
+        theirs = next(r for r in rows if r["network"] == "loopback" and r["name"] == "torchft_diloco")["curve"]
+        assert [c[0] for c in ours] == [c[0] for c in theirs]
+        assert [c[3] for c in ours] == pytest.approx([c[3] for c in theirs], rel=1e-5)
+
+
+@pytest.mark.skipif(zoo.optional_model_missing("hf_gpt2") is not None, reason="transformers not installed")
+def test_hf_gpt2_is_gpt_small_sized_and_eats_the_markov_task():
+    net, spec = zoo.make_model("hf_gpt2")
+    assert zoo.count_parameters(net) == zoo.gpt_parameters(256, 64, 256, 4) == 3_241_472
+    assert spec.task == "markov" and spec.vocab == 256
+    task = data.make_task(spec, 0, 1, 2, 8)
+    x, y = task.batch(0)
+    out = net(x)
+    assert out.shape == (2, 64, 256) and torch.isfinite(data.loss_fn(out, y))

@@ -43,9 +43,10 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  steps to target and its curve; then, on each other network of ``networks``, a timing run
                  measures its seconds per step over whole cycles of the algorithm (the throughput mode's
                  machinery), and time to target = steps to target x that s/step. Valid only for algorithms
-                 whose trajectory does not depend on timing: an asynchronous one (async_model_average),
-                 ``auto`` (its pick depends on the network) and a warm-up that changes the traffic part way
-                 (``warmup_steps`` > 0, a density schedule) are refused. The table says "projected".
+                 whose trajectory does not depend on timing: an asynchronous one (async_model_average) and
+                 ``auto`` (its pick depends on the network) are refused, and so is a sparse density
+                 schedule. An algorithm with ``warmup_steps`` > 0 is timed in both phases (the warm-up's
+                 steps count at its s/step, the rest at the s/step after it). The table says "PROJECTED".
 ``timing_steps`` (with ``project_time``) measured steps per cell in a timing run, at least, rounded up to
                  whole cycles and at least two cycles (default 6).
 ``timing_warmup_steps`` (with ``project_time``) unmeasured steps before them (default 2).
@@ -235,10 +236,9 @@ def _check_projectable(name, algorithm, label):
         why = "it is asynchronous: how far its replicas drift apart depends on timing, so its trajectory does too"
     elif name == "auto":
         why = "its pick depends on the network it probes, so its trajectory does too"
-    elif getattr(algorithm, "warmup_steps", 0) or (getattr(algorithm, "warmup_densities", None)
-                                                   and getattr(algorithm, "warmup_steps_per_stage", 0)):
-        why = ("it changes its traffic after a warm-up, and a projection measures one s/step per cell "
-               "(give it no warm-up, or run without project_time)")
+    elif getattr(algorithm, "warmup_densities", None) and getattr(algorithm, "warmup_steps_per_stage", 0):
+        why = ("its density schedule changes its traffic stage by stage, and a projection times two phases at "
+               "most (a warm-up given by warmup_steps, and what follows)")
     if why:
         raise ValueError(f"benchmark config: project_time cannot project {label}: {why}; "
                          "run it with project_time: false (measured on the throttled link itself)")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .cells import tx_bytes, wrap
+from .config import BASELINES
 from .data import evaluate, loss_fn, make_task
 from .zoo import fresh_model
 
@@ -144,7 +145,8 @@ def timing_worker(cfg, network, rank, world, emit):
     """``project_time``: the seconds per step of every cell on this (throttled) network, measured as the
     throughput mode measures them (``runner._run_cell``: a barrier per step, the slowest rank's time, whole
     cycles of a periodic algorithm, at least two), over ``timing_steps`` steps after
-    ``timing_warmup_steps``. Synthetic batches of the model's shape: what the batches hold does not change
+    ``timing_warmup_steps``. An algorithm with a ``warmup_steps`` option > 0 is timed in both of its phases
+    (the record's ``phases``: ``warmup`` and ``after``). Synthetic batches of the model's shape: what the batches hold does not change
     a step's time. The steps to target come from the loopback run (``report.project_rows``)."""
     from .data import make_batches
     from .runner import _run_cell
@@ -156,9 +158,19 @@ def timing_worker(cfg, network, rank, world, emit):
         numel = sum(p.numel() for p in net0.parameters())
         batches = make_batches(spec, cfg["batch_size"], 8, rank)
         for cell in cfg["algorithms"]:
-            res = _run_cell(cell, tcfg, model_name, batches, rank, world)
+            warm = cell["options"].get("warmup_steps", 0) if cell["name"] not in BASELINES else 0
+            phases = {}
+            if warm:
+                # two phases, each timed on its own: the warm-up (dense: the same algorithm with a warm-up
+                # that outlasts the timing run) and what follows it (the same algorithm without warm-up)
+                for phase, w in (("warmup", 10 ** 9), ("after", 0)):
+                    res = _run_cell({**cell, "options": {**cell["options"], "warmup_steps": w}}, tcfg, model_name,
+                                    batches, rank, world)
+                    phases[phase] = {k: res[k] for k in ("times", "cycle", "bytes", "tx_bytes")}
+            else:
+                res = _run_cell(cell, tcfg, model_name, batches, rank, world)
             emit({"kind": "timing", "network": network, "world_size": world, "model": model_name,
                   "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                   "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
                   "times": res["times"], "cycle": res["cycle"], "bytes": res["bytes"], "tx_bytes": res["tx_bytes"],
-                  "loss": res["loss"]})
+                  "loss": res["loss"], "warmup_steps": warm, "phases": phases or None})

@@ -303,24 +303,46 @@ def project_records(records):
     network timed, with the loopback run's steps (to target, run, the curve's steps and metrics) and the
     s/step measured on that network (``timing`` records: the median over whole cycles of the per-cycle
     mean, as in throughput mode): time to target = steps to target x s/step, each curve point's time =
-    its step x s/step. Bytes per step are the timing run's (the link's counter; ours also counted)."""
+    its step x s/step. Bytes per step are the timing run's (the link's counter; ours also counted). An
+    algorithm with a warm-up (``warmup_steps``) was timed in both phases: its first steps count at the
+    warm-up's s/step, the rest at the s/step after it, and its s/step is the mean over the steps run."""
     conv = [r for r in records if r["kind"] == "convergence" and r["network"] == "loopback"]
     out = []
     for t in (r for r in records if r["kind"] == "timing"):
-        cyc = t.get("cycle", 1)
-        step_s = cycle_median(t["times"], cyc)
-        wire = cycle_median(t.get("tx_bytes") or [], cyc)
-        counted = cycle_median(t["bytes"], cyc) if t.get("bytes") and t["algorithm"] not in BASELINES else None
+        def figures(m):
+            cyc = m.get("cycle", 1)
+            counted = cycle_median(m["bytes"], cyc) if m.get("bytes") and t["algorithm"] not in BASELINES else None
+            return cycle_median(m["times"], cyc), cycle_median(m.get("tx_bytes") or [], cyc), counted
+
+        warm = t.get("warmup_steps") or 0
+        if warm and t.get("phases"):
+            # an algorithm with a warm-up: its first ``warm`` steps at the warm-up's s/step and bytes, the
+            # rest at those after it
+            (s_w, wire_w, cnt_w), (s_a, wire_a, cnt_a) = figures(t["phases"]["warmup"]), figures(t["phases"]["after"])
+        else:
+            s_w, wire_w, cnt_w = s_a, wire_a, cnt_a = figures(t)
+            warm = 0
+
+        def seconds(n):
+            return min(n, warm) * s_w + max(0, n - warm) * s_a
+
+        def per_step(n, a, b):  # bytes per step averaged over the first n steps
+            if a is None or b is None or not n:
+                return None
+            return (min(n, warm) * a + max(0, n - warm) * b) / n
+
         for c in conv:
             if (c["world_size"], c["model"], c["label"]) != (t["world_size"], t["model"], t["label"]):
                 continue
-            hit = c["steps_to_target"]
+            hit, n = c["steps_to_target"], c["steps_run"]
             out.append({**c, "network": t["network"], "projected": True, "projected_from": "loopback",
-                        "loopback_step_s": c["step_s"], "step_s": step_s, "cycle": cyc,
-                        "timing_steps": len(t["times"]), "time_to_target_s": hit * step_s if hit else None,
-                        "train_s": c["steps_run"] * step_s,
-                        "curve": [[st, st * step_s, m, loss] for st, _, m, loss in c["curve"]],
-                        "bytes_per_step_wire": wire, "bytes_per_step_counted": counted})
+                        "loopback_step_s": c["step_s"], "step_s": seconds(n) / n if n else s_a,
+                        "cycle": t.get("cycle", 1), "timing_steps": len(t["times"]),
+                        "warmup_step_s": s_w if warm else None, "after_warmup_step_s": s_a if warm else None,
+                        "time_to_target_s": seconds(hit) if hit else None, "train_s": seconds(n),
+                        "curve": [[st, seconds(st), m, loss] for st, _, m, loss in c["curve"]],
+                        "bytes_per_step_wire": per_step(n, wire_w, wire_a),
+                        "bytes_per_step_counted": per_step(n, cnt_w, cnt_a)})
     return out
 
 
