@@ -22,7 +22,8 @@ import torch.distributed as dist
 from bagua_lite import _C, cost_model as cm
 from bagua_lite.algorithm import register
 
-from ._gossip import Gossip, degree, traffic
+from ._gossip import Gossip
+from ._peers import degree, traffic
 from .low_precision_decentralized import LowPrecisionDecentralized
 
 
@@ -54,14 +55,14 @@ class Decentralized(Gossip):
 
     def init(self, model):
         super().init(model)
-        senders = max(1, len(self.fixed[1])) if self.peer_selection.startswith("ring") else 1
+        senders = max(1, len(self.peers.fixed[1])) if self.peer_selection.startswith("ring") else 1
         self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(senders)]
 
     def _start(self):
         send = self.weights.gather()  # x_t, into self.snap
         if self.peer_selection == "all":
             P = self.world_size
-            works = [dist.all_reduce(t, group=self.group, async_op=True) for t in self._sum_buffers()]
+            works = [dist.all_reduce(t, group=self.peers.group, async_op=True) for t in self._sum_buffers()]
             _C.count_sent(sum(2 * (P - 1) * t.nbytes // P for t in send), len(send))  # ring allreduce
             return works
         return [w for i, t in enumerate(send) for w in self._post(t, [r[i] for r in self.recv], i)]

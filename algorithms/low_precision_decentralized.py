@@ -20,7 +20,8 @@ import torch.distributed as dist
 from bagua_lite import _C, compressors, cost_model as cm
 from bagua_lite.algorithm import register
 
-from ._gossip import Gossip, degree, traffic
+from ._gossip import Gossip
+from ._peers import degree, traffic
 
 # elements per compressed message: the wire starts once the (smaller) first chunk is packed
 FIRST_CHUNK, CHUNK = 1 << 20, 1 << 22
@@ -58,7 +59,7 @@ class LowPrecisionDecentralized(Gossip):
         super().init(model)
         P = model.world_size
         self.x_hat = [f.clone() for f in self.snap]
-        degree = len(self.fixed[1]) if self.peer_selection != "all" else P - 1
+        degree = len(self.peers.fixed[1]) if self.peer_selection != "all" else P - 1
         self.nbr_sum = [f * degree for f in self.snap]  # every copy starts at the common x_0
         self.register_state("x_hat", self.x_hat)
         self.register_state("nbr_sum", self.nbr_sum)
@@ -96,7 +97,8 @@ class LowPrecisionDecentralized(Gossip):
                     torch.sub(p.detach().reshape(-1)[s - lo:e - lo], x_hat[s:e], out=diff[s - a:e - a])
                 C.compress(diff, wire.narrow(0, 0, C.wire_bytes(b - a)))
                 if self.peer_selection == "all":
-                    posted.append([dist.all_gather([r[i] for r in self.recv], wire, group=self.group, async_op=True)])
+                    posted.append([dist.all_gather([r[i] for r in self.recv], wire, group=self.peers.group,
+                                                   async_op=True)])
                     _C.count_sent((P - 1) * wire.nbytes, P - 1)  # ring allgather
                 else:
                     posted.append(self._post(wire, [r[i] for r in self.recv], i))

@@ -1008,7 +1008,7 @@ def test_misspelled_keys_suggest_nearest(text, pattern):
     ("algorithm:\n  name: local_sgd\n  period: 0\n", ValueError, r"period must be >= 1, got 0"),
     ("algorithm:\n  name: local_sgd\n  warmup_steps: -1\n", ValueError, r"warmup_steps must be >= 0"),
     ("algorithm:\n  name: decentralized\n  communication_interval: 0\n", ValueError,
-     r"communication_interval must be >= 1"),
+     r"communication_interval must be an int >= 1"),
     ("algorithm:\n  name: decentralized\n  peer_selection: star\n", ValueError, r"peer_selection='star'.*ring"),
     ("algorithm:\n  name: gradient_allreduce\n  compression: int4\n", ValueError,
      r"gradient_allreduce: unknown compression 'int4'; choose one of 'none', .*'fp16'"),
