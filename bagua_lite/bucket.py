@@ -63,6 +63,17 @@ class Bucket:
         return f"Bucket({self.index}, params={len(self.params)}, numel={self.numel}, dtype={self.dtype})"
 
 
+def refuse_changed(who: str, buckets, holds: str, instead: str) -> None:
+    """Raise if any of ``buckets`` was changed in place since it was sealed, for an algorithm whose ``.grad``
+    ``holds`` more than a gradient: clipping it, or a loss scaler's ``unscale_``, would not do what it does
+    under DDP, and would train differently without a word. Every rank runs the same check, so every rank
+    refuses; ``instead``: what the user can do."""
+    if any(b.changed() for b in buckets):
+        raise RuntimeError(f"{who}: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."
+                           f"clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own edit). {holds}, not "
+                           f"a gradient, so the change would not be what it is under DDP; {instead}")
+
+
 def plan_buckets(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[List[torch.nn.Parameter]]:
     """Split parameters (given in the order gradients become ready) into buckets of ~``bucket_bytes``.
 

@@ -999,7 +999,7 @@ def test_misspelled_keys_suggest_nearest(text, pattern):
     ("algorithm:\n  name: topk\n  density: -0.1\n", ValueError, r"density must be in \(0, 1\]"),
     ("algorithm:\n  name: gtopk\n  density: 0.01\n  warmup_densities: [0.5, 2.0]\n", ValueError,
      r"every warmup_densities entry must be in \(0, 1\], got 2.0"),
-    ("algorithm:\n  name: gtopk\n  warmup_steps_per_stage: -1\n", ValueError, r"warmup_steps_per_stage must be >= 0"),
+    ("algorithm:\n  name: gtopk\n  warmup_steps_per_stage: -1\n", ValueError, r"warmup_steps_per_stage must be an int >= 0"),
     ("algorithm:\n  name: topk\n  momentum_correction: 1.0\n", ValueError,
      r"momentum_correction must be 'optimizer' .* or a number in \[0, 1\), got 1.0"),
     ("algorithm:\n  name: topk\n  momentum_correction: adam\n", ValueError, r"momentum_correction .* got 'adam'"),
