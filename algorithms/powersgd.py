@@ -27,93 +27,32 @@ Options:
 
 Example: ``DistributedModel(net, opt, algorithm=bagua_lite.algorithms.build("powersgd", rank=4))``
 """
-import math
-
 import torch
 
 from bagua_lite import comm
-from bagua_lite import cost_model as cm
+from bagua_lite._options import int_at_least, number_at_least
 from bagua_lite.algorithm import Algorithm, register
 
+from . import _powersgd_plan
+
 _Q_SEED = 0  # the initial Q's, drawn once in init: identical on every rank
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _plan(o, n, index):
-    """(r, [(rows, cols) of each compressed matrix], dense elements) of bucket ``index`` of n elements, for
-    the cost model: from ``bucket_shapes`` exactly as the algorithm splits a bucket, else one matrix."""
-    r, rate = int(o["rank"]), float(o["min_compression_rate"])
-    if o.get("bucket_shapes") is not None:
-        shapes = o["bucket_shapes"]
-        if index is None or index >= len(shapes):
-            raise ValueError("cost_model: powersgd: bucket_shapes must list every bucket's parameter shapes")
-        mats, dense = [], 0
-        for s in shapes[index]:
-            s = [int(d) for d in s]
-            numel = math.prod(s)
-            if len(s) >= 2 and s[0] > 0 and numel >= rate * (s[0] + numel // s[0]) * r:
-                mats.append((s[0], numel // s[0]))
-            else:
-                dense += numel
-        if sum(a * b for a, b in mats) + dense != n:
-            raise ValueError(f"cost_model: powersgd: bucket_shapes[{index}] holds "
-                             f"{sum(a * b for a, b in mats) + dense} elements, the bucket {n}")
-        return r, mats, dense
-    rows = cm.side(n)
-    cols = n // rows
-    if rows * cols >= rate * (rows + cols) * r:
-        return r, [(rows, cols)], n - rows * cols
-    return r, [], n
 
 
 @register("powersgd")
 class PowerSGD(Algorithm):
     def __init__(self, rank: int = 4, warmup_steps: int = 0, min_compression_rate: float = 2.0):
         super().__init__()
-        if not _is_int(rank) or rank < 1:
-            raise ValueError(f"powersgd: rank must be an int >= 1, got {rank!r}")
-        if not _is_int(warmup_steps) or warmup_steps < 0:
-            raise ValueError(f"powersgd: warmup_steps must be an int >= 0, got {warmup_steps!r}")
-        if not isinstance(min_compression_rate, (int, float)) or isinstance(min_compression_rate, bool) \
-                or not min_compression_rate >= 1:  # NaN fails too
-            raise ValueError(f"powersgd: min_compression_rate must be a number >= 1, got {min_compression_rate!r}")
-        self.rank = rank
-        self.warmup_steps = warmup_steps
-        self.min_compression_rate = float(min_compression_rate)
+        self.rank = int_at_least(self.name, "rank", rank, 1)
+        self.warmup_steps = int_at_least(self.name, "warmup_steps", warmup_steps, 0)
+        self.min_compression_rate = float(number_at_least(self.name, "min_compression_rate", min_compression_rate, 1))
 
     @classmethod
     def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
-        """After the warm-up, per bucket on the engine: an allreduce of the P factors, then of [Q factors |
-        the dense rest]. Local per matrix of N elements: the error feedback add, M Q, M^T P, M - P Q^T and
-        P Q^T (each at least a pass), the QR of P; the dense rest in and out of the wire. Shapes: the
-        cost-model-only option ``bucket_shapes`` (each bucket's parameter shapes), else one matrix per
-        bucket of round(sqrt n) rows."""
-        e = elem_bytes
-
-        def comm_(n, i):
-            r, mats, dense = _plan(o, n, i)
-            p_elems, q_elems = sum(a * r for a, _ in mats), sum(b * r for _, b in mats)
-            parts = ([cm.ring(p_elems * e, P)] if mats else []) + \
-                ([cm.ring((q_elems + dense) * e, P)] if q_elems + dense else [])
-            return tuple(sum(x[j] for x in parts) for j in range(3))
-
-        def local(n, i):
-            r, mats, dense = _plan(o, n, i)
-            add, flop, t = machine.add_s_per_elem, machine.matmul_s_per_flop, 0.0
-            for rows, cols in mats:
-                N = rows * cols
-                t += N * add + 4 * max(2.0 * N * r * flop, N * add) + 2.0 * rows * r * r * flop
-            return t + (3 * dense + sum(cols * r for _, cols in mats)) * add
-        return cm.Traffic("buckets", *cm.per_bucket(numels, P, comm_, local, machine), warmup=True)
+        """Two allreduces per bucket after the warm-up (``_powersgd_plan.traffic``)."""
+        return _powersgd_plan.traffic(o, P, numels, elem_bytes, machine, rank)
 
     def compressible(self, param) -> bool:
-        if param.dim() < 2:
-            return False
-        n, m = param.shape[0], param.numel() // param.shape[0]
-        return n * m >= self.min_compression_rate * (n + m) * self.rank
+        return _powersgd_plan.compressible(tuple(param.shape), self.rank, self.min_compression_rate)
 
     @property
     def step_dependent_wire(self):
