@@ -18,6 +18,7 @@ import torch
 from bagua_lite import _C, comm, compressors
 from bagua_lite import cost_model as cm
 from bagua_lite._groups import new_group_like
+from bagua_lite._options import int_at_least
 from bagua_lite.algorithm import Algorithm, register
 
 
@@ -26,8 +27,7 @@ class GradientAllReduce(Algorithm):
     def __init__(self, compression: str = "none", hierarchical: bool = False, ranks_per_node: int = 0):
         super().__init__()
         self.compressor = compressors.get_compressor(compression, "gradient_allreduce")
-        if ranks_per_node < 0:
-            raise ValueError(f"gradient_allreduce: ranks_per_node must be >= 0, got {ranks_per_node}")
+        int_at_least(self.name, "ranks_per_node", ranks_per_node, 0)
         self.compression = compression
         self.hierarchical = hierarchical
         self.ranks_per_node = ranks_per_node

@@ -17,7 +17,8 @@ only (it reads x_t), never for the transfer. ``decentralized`` with a ``compress
 import torch
 import torch.distributed as dist
 
-from bagua_lite import _C, compressors, cost_model as cm
+from bagua_lite import _C, cost_model as cm
+from bagua_lite._options import compressor
 from bagua_lite.algorithm import register
 
 from ._gossip import Gossip
@@ -35,11 +36,8 @@ class LowPrecisionDecentralized(Gossip):
 
     def __init__(self, peer_selection: str = "ring_one_way", communication_interval: int = 1,
                  compression: str = "minmax_uint8", consensus_step: float = 1.0):
-        if compression in (None, "none"):
-            raise ValueError("low_precision_decentralized: compression must be a compressor, not 'none' "
-                             "(that is plain decentralized)")
         super().__init__(peer_selection, communication_interval, consensus_step)
-        self.compressor = compressors.get_compressor(compression, self.name)
+        self.compressor = compressor(self.name, compression, " (that is plain decentralized)")
         if peer_selection == "shift_one":
             raise ValueError(f"{self.name}: compression={compression!r} needs fixed neighbours (each keeps a copy "
                              f"of what the others know); use peer_selection 'ring', 'ring_one_way' or 'all', not 'shift_one'")

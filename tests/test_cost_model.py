@@ -653,7 +653,7 @@ def test_unknown_names_and_refused_combinations_raise():
                ("decentralized", {"compression": "fp16", "peer_selection": "shift_one"}, "shift_one"),
                ("low_precision_decentralized", {"peer_selection": "shift_one"}, "shift_one"),
                ("low_precision_decentralized", {"compression": "none"}, "not 'none'"),
-               ("qadam", {"compression": "none"}, "compression must be a compressor, got 'none'"),
+               ("qadam", {"compression": "none"}, "compression must be a compressor, not 'none'"),
                ("local_sgd", {"period": 0}, "period must be"),
                ("decentralized", {"communication_interval": 0}, "communication_interval must be"),
                ("powersgd", {"rank": 0}, "rank must be"),

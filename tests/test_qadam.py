@@ -236,7 +236,7 @@ def test_qadam(clusters, P):
 def test_bad_options_are_clear():
     with pytest.raises(ValueError, match=r"unknown compression 'int3'.*'fp16'.*'minmax_uint8'"):
         build("qadam", compression="int3")
-    with pytest.raises(ValueError, match=r"compression must be a compressor, got 'none'; choose one of .*'fp16'"):
+    with pytest.raises(ValueError, match=r"compression must be a compressor, not 'none'; choose one of .*'fp16'"):
         build("qadam", compression="none")
     with pytest.raises(ValueError, match=r"warmup_steps must be an int >= 1.*got 0"):
         build("qadam", warmup_steps=0)

@@ -1,0 +1,89 @@
+"""QAdam's optimizer side (``qadam``): Adam's update from the ranks' averaged momentum and a frozen v, on
+the user's own ``torch.optim.Adam`` or ``AdamW`` and its state.
+
+    m_local <- beta1 * m + (1 - beta1) * g        (g plus wd * x for Adam's coupled decay)  local_momentum
+    m <- the averaged m_local;  t <- t + 1;  x <- x * (1 - lr * wd) (AdamW only)             step
+    x <- x - lr * clip(m / (1 - beta1^t) / (sqrt(v_hat) + eps), B)
+
+v_hat = v / (1 - beta2^T): v bias-corrected once, at the freeze (T = Adam steps taken so far), then
+constant. (Keeping Adam's 1 - beta2^t correction on a frozen v would shrink the denominator as t grows
+and inflate every step, up to sqrt(1 / (1 - beta2^T)) times: 4.5x for T = 50.)
+B = max(1, (1 - beta1) / sqrt(1 - beta2)): no coordinate steps further than Adam itself ever can
+(Kingma & Ba 2015, section 2.1); a frozen v that was ~0 during warm-up would otherwise divide by eps.
+"""
+import torch
+
+
+class FrozenAdam:
+    def __init__(self, opt, params):
+        """``opt``: the model's optimizer (checked here); ``params``: the parameters whose momentum travels."""
+        if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+            raise TypeError(f"qadam: the optimizer must be torch.optim.Adam or torch.optim.AdamW, got "
+                            f"{type(opt).__name__} ({type(opt).__module__}.{type(opt).__qualname__})")
+        for i, group in enumerate(opt.param_groups):
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag, False):
+                    raise ValueError(f"qadam: param group {i} has {flag}=True; qadam supports neither amsgrad "
+                                     f"nor maximize (set them False)")
+        self.opt = opt
+        self.groups = {p: g for g in opt.param_groups for p in g["params"] if p in params}
+        # sqrt(v_hat) + eps per parameter, made once at the freeze (v is constant afterwards), and one
+        # scratch buffer for the step: nothing of the model's size is allocated per step
+        self._denoms = {}
+        self._scratch = {}
+        for p in params:
+            key = (p.dtype, p.device)
+            if key not in self._scratch or self._scratch[key].numel() < p.numel():
+                self._scratch[key] = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+
+    def local_momentum(self, p, m):
+        """m (holding g) <- this rank's m_local; left as g if p has no Adam state yet (no rank used it during
+        warm-up, or it is not in the optimizer): its gradient travels, and torch's Adam steps it."""
+        group = self.groups.get(p)
+        if group is None or "exp_avg_sq" not in self.opt.state.get(p, {}):
+            return
+        if group["weight_decay"] and not self._decoupled(group):
+            m.add_(p.detach(), alpha=group["weight_decay"])  # Adam's coupled decay: g + wd * x
+        beta1 = float(group["betas"][0])
+        m.mul_(1 - beta1).add_(self._state(p)["exp_avg"], alpha=beta1)  # m_local
+
+    def step(self, freeze: bool):
+        """The update for every parameter with Adam state, from the averaged momentum in ``.grad``, which is
+        then set to None so that torch's step skips it. ``freeze``: the first step after warm-up."""
+        with torch.no_grad():
+            for group in self.opt.param_groups:
+                lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+                beta1, beta2 = (float(b) for b in group["betas"])
+                for p in group["params"]:
+                    if p.grad is None or p not in self.groups or "exp_avg_sq" not in self.opt.state.get(p, {}):
+                        continue  # (no Adam state yet: an ordinary Adam step on the averaged gradient)
+                    state = self._state(p)
+                    state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
+                    if freeze or p not in self._denoms:  # the freeze (or a resume)
+                        if freeze:
+                            state["exp_avg_sq"].div_(1 - beta2 ** float(state["step"]))
+                        self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
+                    state["step"] += 1
+                    t = float(state["step"])
+                    if wd and self._decoupled(group):
+                        p.mul_(1 - lr * wd)
+                    # m_hat / (sqrt(v_hat) + eps), at most Adam's own largest step: B = max(1, (1 - beta1) /
+                    # sqrt(1 - beta2)) (Kingma & Ba, section 2.1). A live v keeps Adam under it; a frozen one
+                    # does not: a coordinate whose gradient was ~0 during warm-up (a ReLU unit not yet
+                    # active) would later step m / eps, up to 1e8 x lr, and the model blows up.
+                    ratio = self._scratch[(p.dtype, p.device)][:p.numel()].view_as(p)
+                    torch.div(state["exp_avg"], self._denoms[p], out=ratio)
+                    bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5) * (1 - beta1 ** t)
+                    ratio.clamp_(-bound, bound)
+                    p.add_(ratio, alpha=-lr / (1 - beta1 ** t))
+                    p.grad = None  # torch's Adam.step skips it
+
+    def _decoupled(self, group):
+        return group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))
+
+    def _state(self, p):
+        state = self.opt.state.get(p, {})
+        if "exp_avg_sq" not in state:
+            raise RuntimeError(f"qadam: a parameter of shape {tuple(p.shape)} has no Adam state after warm-up "
+                               f"(it needs at least one optimizer step with a gradient during warm-up)")
+        return state
