@@ -12,7 +12,6 @@ What travels, per call on P ranks (m = bytes of the tensor):
 ``sparse_allreduce``        one allgather of [k values][k int32 indices] per rank (TopKAllReduce)
 ``sparse_allgather``        the same exchange, returning every rank's pairs instead of their sum
 ``gtopk_allreduce``         recursive doubling: log2(P) swaps of k (value, index) pairs
-``peer_average``            point-to-point with one or two peers (or an allreduce for ``"all"``)
 ``broadcast``               the tensor from ``src`` to everyone
 ==========================  =====================================================================
 
@@ -34,11 +33,10 @@ from . import _C, compressors
 from ._groups import check_device, resolve_group
 
 __all__ = ["allreduce", "compressed_allreduce", "sparse_allreduce", "sparse_allgather", "gtopk_allreduce",
-           "peer_average", "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
+           "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
 
 _OPS = ("avg", "sum")
 _COMPRESSIONS = ("fp16", "minmax_uint8")
-_PEER_MODES = ("ring", "shift_one", "all")
 
 
 def _choice(fn, name, value, allowed):
@@ -179,22 +177,6 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
     return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact)))
 
 
-def peer_average(t: torch.Tensor, mode: str = "ring", step: int = 0, group=None) -> torch.Tensor:
-    """Average ``t`` in place with peers, for decentralized SGD. Returns ``t``.
-
-    ``"ring"``: with both ring neighbours, ``(left + t + right) / 3``. ``"shift_one"``: with one partner
-    from a round-robin schedule that rotates with ``step`` (odd P: one rank sits each step out).
-    ``"all"``: with everyone (an allreduce).
-    """
-    _choice("peer_average", "mode", mode, _PEER_MODES)
-    if not isinstance(step, int) or step < 0:
-        raise ValueError(f"bagua_lite.comm.peer_average: step must be an int >= 0, got {step!r}")
-    pg = resolve_group(group, "peer_average")
-    check_device(t, pg, "peer_average")
-    _C.peer_average(pg, t, mode, step)
-    return t
-
-
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     """Broadcast ``t`` in place from ``src`` (a rank within ``group``). Returns ``t``."""
     pg = resolve_group(group, "broadcast")
@@ -206,7 +188,7 @@ def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
 def bytes_sent() -> int:
     """Bytes this process has put on the wire through bagua_lite since the last reset.
 
-    Point-to-point messages (gtopk_allreduce, peer_average) are counted exactly; library collectives
+    Point-to-point messages (gtopk_allreduce, sparse exchanges) are counted exactly; library collectives
     count what the ring algorithm sends per rank (allreduce 2(P-1)/P*m, allgather (P-1)*m).
     """
     return _C.bytes_sent()

@@ -184,11 +184,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k") = -1, release());
   m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
         py::arg("exact"), release());
-  m.def("peer_average",
-        [](const bl::ProcessGroupPtr& pg, at::Tensor t, const std::string& mode, int64_t step) {
-          coll::peer_average(pg, t, mode, step);
-        },
-        py::arg("pg"), py::arg("t"), py::arg("mode"), py::arg("step"), release());
   m.def("shift_one_partner", &coll::shift_one_partner, py::arg("rank"), py::arg("size"), py::arg("step"));
 
   // ---- engine ----

@@ -396,7 +396,8 @@ def test_gtopk_allreduce(cluster):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# peer_average
+# the shift_one schedule (decentralized's peer_selection: shift_one)
+
 
 
 def test_shift_one_schedule():
@@ -418,57 +419,6 @@ def test_shift_one_schedule():
             # The schedule rotates with period `steps`.
             assert partners == [_C.shift_one_partner(r, P, step + steps) for r in range(P)]
         assert len(met) == P * (P - 1) // 2, (P, len(met))
-
-
-def _r_peer(rank, P, seed):
-    out = {}
-    for dtype, n in ((torch.float32, 1001), (torch.float64, 64), (torch.float32, 0)):
-        xs = [_data(seed, r, n, dtype, tag=200 + n) for r in range(P)]
-        # ring
-        t = xs[rank].clone()
-        assert C.peer_average(t, "ring") is t
-        if P == 1:
-            assert torch.equal(t, xs[0])
-        elif P == 2:
-            assert torch.equal(t, (xs[0] + xs[1]) * 0.5)
-        else:
-            ref = (xs[(rank - 1) % P].double() + xs[rank].double() + xs[(rank + 1) % P].double()) / 3
-            assert torch.allclose(t.double(), ref, rtol=1e-6, atol=1e-6)
-        out[("ring", str(dtype), n)] = _sha(t)
-        # all
-        t = xs[rank].clone()
-        C.peer_average(t, "all")
-        mean = torch.stack(xs).double().mean(0) if n else torch.zeros(0, dtype=torch.float64)
-        assert torch.allclose(t.double(), mean, rtol=1e-6, atol=1e-6)
-        out[("all", str(dtype), n)] = _sha(t)
-        # shift_one over a full period and one more step (the schedule wraps around)
-        steps = P if P % 2 else max(P - 1, 1)
-        for step in range(steps + 1):
-            t = xs[rank].clone()
-            C.peer_average(t, "shift_one", step=step)
-            p = _C.shift_one_partner(rank, P, step)
-            if p < 0 or P == 1:
-                assert torch.equal(t, xs[rank])  # sits this step out
-            else:
-                assert torch.equal(t, (xs[rank] + xs[p]) * 0.5)  # the pair mean, same bits for both
-                assert torch.allclose(t.double(), (xs[rank].double() + xs[p].double()) / 2, rtol=1e-6, atol=1e-7)
-            out[("shift_one", str(dtype), n, step)] = (p, _sha(t))
-    return out
-
-
-def test_peer_average(cluster):
-    res = cluster.run(_r_peer, SEED)
-    P = len(res)
-    for key in res[0]:
-        if key[0] == "all":
-            assert all(r[key] == res[0][key] for r in res), key
-        if key[0] == "shift_one":
-            for rank in range(P):
-                p, h = res[rank][key]
-                if p >= 0:
-                    assert res[p][key] == (rank, h), ("partners differ", key, rank, p)
-        if key[0] == "ring" and P == 2:
-            assert res[0][key] == res[1][key], key
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -544,10 +494,6 @@ def _r_bad_args(rank, P, seed):
     e(_expect(VE, r"compressed_allreduce: `t` must be contiguous", C.compressed_allreduce, torch.ones(16)[::2]))
     e(_expect(VE, r"compressed_allreduce: `t` must be float32.*got Int", C.compressed_allreduce,
               torch.ones(4, dtype=torch.int32)))
-    e(_expect(VE, r"peer_average: mode='star' is not allowed; choose one of 'ring', 'shift_one', 'all'",
-              C.peer_average, f32, "star"))
-    e(_expect(VE, r"peer_average: step must be an int >= 0, got -1", C.peer_average, f32, "shift_one", -1))
-    e(_expect(VE, r"peer_average: `t` must be contiguous", C.peer_average, torch.ones(16)[::2], "ring"))
     e(_expect(VE, r"broadcast: `t` must be contiguous", C.broadcast, torch.ones(16)[::2], 0))
     e(_expect(VE, rf"broadcast: src must be a rank of the group in \[0, {P}\), got {P}", C.broadcast, f32, P))
     e(_expect(VE, r"broadcast: src must be a rank of the group in .*got -1", C.broadcast, f32, -1))
@@ -565,7 +511,7 @@ def _r_bad_args(rank, P, seed):
         else:
             for fn, args in ((C.allreduce, (f32.clone(),)), (C.compressed_allreduce, (f32.clone(),)),
                              (C.sparse_allreduce, (f32, i32, 8)), (C.gtopk_allreduce, (f32, i32, 2)),
-                             (C.peer_average, (f32.clone(),)), (C.broadcast, (f32.clone(),))):
+                             (C.broadcast, (f32.clone(),))):
                 e(_expect(VE, rf"bagua_lite.comm.{fn.__name__}: rank {rank} is not a member of the given group",
                           fn, *args, group=g))
         assert C.bytes_sent() == 0
@@ -590,7 +536,7 @@ def _r_bad_args(rank, P, seed):
 
 def test_bad_arguments_raise_before_traffic(cluster):
     res = cluster.run(_r_bad_args, SEED)
-    assert all(len(m) >= 31 for m in res)
+    assert all(len(m) >= 28 for m in res)
 
 
 def test_not_initialized_in_process():
@@ -598,7 +544,7 @@ def test_not_initialized_in_process():
     t = torch.ones(4)
     i = torch.arange(4, dtype=torch.int32)
     calls = [(C.allreduce, (t,)), (C.compressed_allreduce, (t,)), (C.sparse_allreduce, (t, i, 4)),
-             (C.gtopk_allreduce, (t, i, 2)), (C.peer_average, (t,)), (C.broadcast, (t,))]
+             (C.gtopk_allreduce, (t, i, 2)), (C.broadcast, (t,))]
     for fn, args in calls:
         _expect(RuntimeError, rf"bagua_lite.comm.{fn.__name__}: torch.distributed is not initialized; call "
                               r"torch.distributed.init_process_group", fn, *args)
@@ -692,14 +638,12 @@ def _r_die_or_collect(rank, P, victim, which):
             eng = _C.Engine()
             eng.submit(0, torch.ones(1 << 18), [_C.AllreduceOp(resolve_group(None, "test"), True)])
             eng.wait_all()
-        else:
-            C.peer_average(torch.ones(1000), "ring")
     except Exception as ex:  # noqa: BLE001
         return ("raised", time.monotonic() - t0, f"{type(ex).__name__}: {ex}"[:300])
     return ("returned", time.monotonic() - t0, "")
 
 
-@pytest.mark.parametrize("which", ["allreduce", "gtopk", "ring", "engine"])
+@pytest.mark.parametrize("which", ["allreduce", "gtopk", "engine"])
 def test_dead_peer_raises_instead_of_hanging(which):
     P, victim, pg_timeout = 3, 1, 15
     c = Cluster(P, timeout_s=pg_timeout)

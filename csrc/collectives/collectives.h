@@ -47,11 +47,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, c
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact);
 
-// Decentralized averaging with peers: "ring" (both neighbours), "shift_one" (one partner that rotates
-// with `step`; a round-robin schedule, one rank idle per step when P is odd), "all" (everyone).
-void peer_average(const ProcessGroupPtr& pg, at::Tensor& t, const std::string& mode, int64_t step);
-
-// The partner of `rank` at `step` in the shift_one schedule, or -1 if it sits this step out.
+// The partner of `rank` at `step` in the shift_one schedule (one partner that rotates with `step`; a
+// round-robin schedule, one rank idle per step when P is odd), or -1 if it sits this step out.
 int64_t shift_one_partner(int64_t rank, int64_t size, int64_t step);
 
 // ---- thin wrappers around the process group that also count traffic -----------------------------------

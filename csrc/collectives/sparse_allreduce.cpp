@@ -20,7 +20,7 @@ namespace collectives {
 
 namespace {
 
-// Point-to-point tags of the two exchanges (gtopk_allreduce uses 0.. and 1 << 20; peer_average 0 and 1).
+// Point-to-point tags of the two exchanges (gtopk_allreduce uses 0.. and 1 << 20).
 constexpr int kTagMeta = (1 << 21) + 1, kTagBlocks = (1 << 21) + 2;
 
 // Bytes of a received block as dtype t. A block's values or indices do not always start at a multiple of
