@@ -6,16 +6,13 @@ stays the training thread's). Each sync first agrees on the step it started at (
 ints); ranks that disagree skip the data on every rank alike, and the merge then raises: a rank a step
 ahead would otherwise pair its fragment with the others' and the replicas would silently differ.
 """
-import atexit
-import queue
 import threading
-import weakref
 
 import torch
 import torch.distributed as dist
 
-from bagua_lite import runtime
 from bagua_lite._groups import new_group_like
+from bagua_lite._worker import Worker
 
 
 def split(params, fragments):
@@ -71,37 +68,24 @@ class Background:
 
     def __init__(self, model, name):
         self.group = new_group_like(model.process_group)  # collective: every rank builds it, in order
-        self.name, self._jobs, self._thread = name, queue.Queue(), None
+        self.worker = Worker(f"bagua_lite-{name}")
         self._steps = torch.zeros(2, dtype=torch.int64)
 
     def submit(self, fn, step) -> Sync:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=f"bagua_lite-{self.name}", daemon=True)
-            self._thread.start()
-            # At exit it must not sit in a collective (one failing as peers exit would wake it during
-            # interpreter finalization and abort the process): end it after its sync.
-            self._atexit = lambda ref=weakref.ref(self): ref() and ref().stop(runtime.exit_wait_s())
-            atexit.register(self._atexit)
         job = Sync(fn, step)
-        self._jobs.put(job)
+        self.worker.submit(lambda: self._run(job), job.done)
         return job
 
-    def _serve(self):
-        while (job := self._jobs.get()) is not None:
-            try:
-                self._steps[0], self._steps[1] = job.step, -job.step
-                dist.all_reduce(self._steps, op=dist.ReduceOp.MAX, group=self.group)
-                job.steps = (-int(self._steps[1]), int(self._steps[0]))
-                if job.steps[0] == job.steps[1]:  # every rank alike: all skip the data, or none
-                    job.fn(self.group)
-            except BaseException as e:  # noqa: B902 (raised on the training thread by the merge)
-                job.error = e
-            job.done.set()
+    def _run(self, job):
+        try:
+            self._steps[0], self._steps[1] = job.step, -job.step
+            dist.all_reduce(self._steps, op=dist.ReduceOp.MAX, group=self.group)
+            job.steps = (-int(self._steps[1]), int(self._steps[0]))
+            if job.steps[0] == job.steps[1]:  # every rank alike: all skip the data, or none
+                job.fn(self.group)
+        except BaseException as e:  # noqa: B902 (raised on the training thread by the merge)
+            job.error = e
 
-    def stop(self, timeout=None):
-        """End the thread once the syncs queued before are done (at most ``timeout`` seconds)."""
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            atexit.unregister(self._atexit)
-            self._jobs.put(None)
-            thread.join(timeout)
+    def stop(self, give_up=None) -> bool:
+        """End the thread once the syncs queued before are done (sooner if ``give_up()``)."""
+        return self.worker.stop(None, give_up)

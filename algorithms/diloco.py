@@ -121,9 +121,8 @@ class DiLoCo(Algorithm):
         frag.load_anchor(self.alpha if self.overlap else 0.0)
 
     def close(self):
-        if self.background is not None and not self.model.peer_failed():
-            self.background.stop()  # the syncs in flight finish, so no peer is left waiting
-        # (after a peer's failure its daemon thread stays until its sync fails; the exit hook waits for it)
+        if self.background is not None:  # the syncs in flight finish, so no peer is left waiting; after a
+            self.background.stop(give_up=self.model.peer_failed)  # peer's failure the exit hook waits instead
 
     def state_dict(self):
         for job in self.pending.values():
