@@ -46,6 +46,8 @@ ALGORITHMS = {
     "qadam": ("qadam", {"warmup_steps": 2}, "adam"),
     "local_sgd": ("local_sgd", {"period": 2}, "sgd"),
     "diloco": ("diloco", {"period": 2}, "sgd"),
+    "streaming_diloco": ("diloco", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5, "compression": "absmax4"},
+                         "sgd"),
     "decentralized": ("decentralized", {}, "sgd"),
     "low_precision_decentralized": ("low_precision_decentralized", {}, "sgd"),
     "async_warmup": ("async_model_average", {"warmup_steps": 100, "sync_interval_ms": 50}, "sgd"),
@@ -184,7 +186,7 @@ def _expected(label, shape):
 @pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
 @pytest.mark.parametrize("labels", [["gradient_allreduce", "fp16", "bytegrad", "powersgd", "async_warmup"],
                                     ["topk", "topk_no_correction", "gtopk", "auto_topk", "qadam"],
-                                    ["local_sgd", "diloco", "decentralized", "low_precision_decentralized"]],
+                                    ["local_sgd", "diloco", "streaming_diloco", "decentralized", "low_precision_decentralized"]],
                          ids=["dense", "sparse_and_momentum", "local"])
 def test_every_loop_shape_is_the_plain_loop_or_refused(clusters, P, labels):
     res = clusters.get(P).run(_r_matrix, labels, timeout=600)
