@@ -145,10 +145,17 @@ def test_every_shipped_benchmark_config_validates():
 
     from bagua_lite.bench.config import load_benchmark_config
 
+    from bagua_lite.bench.zoo import optional_model_missing
+
     paths = sorted(glob.glob(os.path.join(ROOT, "configs", "benchmark*.yaml")))
     assert len(paths) >= 3
     for p in paths:
-        cfg = load_benchmark_config(p)
+        try:
+            cfg = load_benchmark_config(p)
+        except ValueError as e:  # a config of optional models only (hf_gpt2) where their package is missing
+            if "no model left to run" in str(e) and optional_model_missing("hf_gpt2"):
+                continue
+            raise
         names = [a["name"] for a in cfg["algorithms"]]
         assert "ddp" in names, f"{p}: every benchmark measures DDP in the same run"
 

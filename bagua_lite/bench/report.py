@@ -518,7 +518,9 @@ def convergence_figures(rows, out=sys.stdout):
             cand = [r for r in reached if pick(r)]
             if cand:
                 b = min(cand, key=lambda r: r["time_to_target_s"])
-                lines.append(f"{head}: {title}: {b['algorithm']} {b['time_to_target_s']:.2f} s to target: {against(b)}")
+                vs = against(b)
+                lines.append(f"{head}: {title}: {b['algorithm']} {b['time_to_target_s']:.2f} s to target"
+                             + (f": {vs}" if vs else ""))
         if "torchft_diloco" in present:
             for r in (r for r in rs if r["name"] in DILOCO_FAMILY):
                 v = r.get("speedup_vs_torchft")
