@@ -1,8 +1,10 @@
 """The benchmark tool, kept apart from the training runtime: ``python -m bagua_lite.bench --config ...``.
 
 ``config``   the YAML matrix, validated before any process starts
-``cells``    one cell's model: ours or a DDP baseline
-``runner``   launches the ranks (one network namespace each on emulated links) and times the cells
+``cells``    one cell's model: ours, a DDP baseline or torchft's DiLoCo (optional)
+``runner``   launches the ranks (one network namespace each on emulated links), times the cells, shows
+             progress (cell i/N, time left)
+``convergence`` time to a held-out target (and project_time's timing runs)
 ``report``   summary rows, tables, projections, JSON/CSV and plots
 ``zoo``      the models it trains (real architectures in plain torch.nn) and ``data`` their batches
 ``netem``    emulated slow networks on one machine (ip netns + veth + bridge + tc tbf)

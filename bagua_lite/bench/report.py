@@ -521,11 +521,16 @@ def convergence_figures(rows, out=sys.stdout):
                 vs = against(b)
                 lines.append(f"{head}: {title}: {b['algorithm']} {b['time_to_target_s']:.2f} s to target"
                              + (f": {vs}" if vs else ""))
-        if "torchft_diloco" in present:
+        tft = next((r for r in rs if r["name"] == "torchft_diloco"), None)
+        if tft is not None:
             for r in (r for r in rs if r["name"] in DILOCO_FAMILY):
                 v = r.get("speedup_vs_torchft")
-                lines.append(f"{head}: {r['algorithm']} vs torchft DiLoCo: "
-                             + ("-" if v is None else f"time to target {1 / v:.2f}x torchft's ({v:.2f}x sooner)"))
+                if v is not None:
+                    lines.append(f"{head}: {r['algorithm']} vs torchft DiLoCo: time to target {1 / v:.2f}x "
+                                 f"torchft's ({v:.2f}x sooner)")
+                elif r["time_to_target_s"] is not None or tft["time_to_target_s"] is not None:
+                    lines.append(f"{head}: {r['algorithm']} vs torchft DiLoCo: only "
+                                 + ("this row" if r["time_to_target_s"] is not None else "torchft's") + " reached the target")
         ddp = next((r for r in rs if r["name"] == "ddp"), None)
         if ddp and ddp.get("bytes_per_step"):
             ranked = sorted((r for r in rs if r.get("bytes_vs_ddp") and r["name"] != "ddp"),
