@@ -14,8 +14,12 @@ Outputs: a table, ``results.json``, ``results.csv`` and ``throughput.png`` in ``
 
 ``mode: convergence`` in the YAML measures time to accuracy instead (``bench/convergence.py``): every
 algorithm trains the model's task to a held-out target; rows get ``steps_to_target``,
-``time_to_target_s``, ``final_metric`` and ``step_s``; plots ``convergence_<model>.png``. The configuration
-keys are described in ``bench/config.py``.
+``time_to_target_s``, ``final_metric`` and ``step_s``; plots ``convergence_<model>.png``. With
+``project_time: true`` every cell trains once on loopback and is then timed on each throttled network
+(``--phase timing`` workers), and those networks' rows are projected: steps to target x s/step
+(``report.project_records``; the tables say PROJECTED). The configuration keys are described in
+``bench/config.py``. While it runs, stderr shows the cell in progress (i/N, label, network, P) and an
+estimate of the time left (``Progress``).
 
 The matrix (YAML), besides world sizes, networks, models and step counts:
 
@@ -468,7 +472,7 @@ def main(argv=None):
     ap.add_argument("--phase", default="run", choices=("run", "timing"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cfg = load_benchmark_config(args.config)
-    if not args.worker:
+    if not args.worker and os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0 under torchrun
         for note in cfg["skipped"]:
             print(f"benchmark: {note}", file=sys.stderr)
     project = [int(p) for p in args.project.split(",") if p.strip()] or list(cfg["project"])
