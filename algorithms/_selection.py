@@ -46,8 +46,7 @@ class Selection:
         if key not in self._segments:
             spans = ([(lo, lo + p.numel()) for lo, p in zip(bucket.offsets, bucket.params) if p.numel()]
                      if self.layerwise else [(0, bucket.numel)])
-            self._segments[key] = [(lo, hi, max(1, min(hi - lo, int(round(density * (hi - lo))))))
-                                   for lo, hi in spans]
+            self._segments[key] = [(lo, hi, kernels.topk_count(hi - lo, density)) for lo, hi in spans]
         return self._segments[key]
 
     def k_for(self, bucket, density) -> int:

@@ -1,7 +1,7 @@
 """bagua_lite: communication relaxations for data-parallel PyTorch training on slow networks."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import comm, compressors, kernels, runtime  # noqa: F401
+from . import comm, compressors, hooks, kernels, runtime  # noqa: F401
 from .algorithm import Algorithm, register  # noqa: F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from .compressors import Compressor, register_compressor  # noqa: F401

@@ -8,8 +8,14 @@ import torch
 
 from . import _C
 
-__all__ = ["topk", "topk_out", "block_max_combine_", "compress", "decompress", "wire_bytes", "sparse_normalize",
+__all__ = ["topk_count", "topk", "topk_out", "block_max_combine_", "compress", "decompress", "wire_bytes", "sparse_normalize",
            "merge_topk", "scatter_add_", "ef_remove_"]
+
+
+def topk_count(numel: int, density: float) -> int:
+    """Entries a top-k at ``density`` keeps of ``numel`` (> 0): round(density * numel), at least 1, at most
+    ``numel``. The one rule of the topk/gtopk algorithms' selections and of :mod:`bagua_lite.hooks`."""
+    return max(1, min(numel, int(round(density * numel))))
 
 
 def topk(x: torch.Tensor, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
