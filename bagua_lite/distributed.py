@@ -114,6 +114,13 @@ class DistributedModel(torch.nn.Module):
             raise ValueError(f"DistributedModel: bucket_size_mb must be a finite number > 0, got {bucket_size_mb!r}")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"DistributedModel: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            raise TypeError(
+                f"DistributedModel: optimizer is a {type(optimizer).__name__} that wraps an optimizer without being one "
+                f"(it never ran torch.optim.Optimizer.__init__, so it takes no step hooks; Accelerate's "
+                f"AcceleratedOptimizer is one): build the DistributedModel with the optimizer you created, then "
+                f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer) first, then "
+                f"accelerator.prepare(optimizer, loader))")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
                              "times per step, so ranks would run different numbers of communication rounds; use an "
@@ -207,6 +214,13 @@ class DistributedModel(torch.nn.Module):
     # engine, threads and the store, which dynamo cannot trace, and must run eagerly on every call.
     @torch.compiler.disable
     def _pre_forward(self):
+        if torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
+            # Every rank is inside a DDP forward alike, so every rank raises here before any traffic of ours.
+            raise RuntimeError(
+                "bagua_lite: this DistributedModel runs inside a DistributedDataParallel, which would average every "
+                "gradient a second time (Accelerate's accelerator.prepare(model) on several processes adds one): "
+                "do not prepare the model; prepare the optimizer, data loaders and schedulers only, "
+                "accelerator.prepare(optimizer, loader), after building the DistributedModel")
         self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
         if self._sync_enabled and torch.is_grad_enabled():
             self._settle_skipped_step()

@@ -1,0 +1,230 @@
+"""bagua_lite under Hugging Face Accelerate, on real gloo groups (P = 3, CPU, as `accelerate launch --cpu` sets up).
+
+The recipe: build the DistributedModel with your optimizer, then hand Accelerate only the optimizer and the
+data loader (``accelerator.prepare(model)`` would add a DDP of its own)::
+
+    accelerator = Accelerator(gradient_accumulation_steps=2)
+    model = bagua_lite.DistributedModel(net, optimizer, algorithm="gtopk")
+    optimizer, loader = accelerator.prepare(optimizer, loader)
+
+What is checked: training through ``accelerator.backward`` / ``clip_grad_norm_`` / the prepared optimizer and
+loader gives the same weights bit for bit as the plain bagua_lite loop on the same batches; gradient
+accumulation through ``accelerator.accumulate(model)`` is bit for bit the plain ``no_sync()`` loop; the
+wrong orders are refused with a message that says the right one; and what Accelerate's unwrapping gives.
+"""
+import os
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import bagua_lite  # noqa: E402
+from bagua_lite.algorithms import build  # noqa: E402
+from cluster import Cluster  # noqa: E402
+
+P = 3
+B = 4            # per-rank batch
+STEPS = 6        # optimizer steps per loop
+ALGORITHMS = {
+    "gradient_allreduce": {},
+    "gtopk": {"density": 0.2, "momentum_correction": 0},  # clipping the averaged gradient is allowed then
+    "local_sgd": {"period": 2},
+}
+
+
+def _env(rank):
+    # what `accelerate launch --cpu --num_processes P` (or torchrun plus ACCELERATE_USE_CPU) gives each rank;
+    # the group itself is the cluster's, already initialised: Accelerate uses it
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(P), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(P),
+                      ACCELERATE_USE_CPU="true", HF_HUB_OFFLINE="1")
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 3))
+
+
+def _dataset(n_batches):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n_batches * B, 8, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, :3] * 2).argmax(1))
+
+
+def _flat(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def _accelerator(**kwargs):
+    from accelerate import Accelerator
+    acc = Accelerator(**kwargs)
+    assert str(acc.distributed_type) == "DistributedType.MULTI_CPU" and acc.num_processes == P
+    return acc
+
+
+# ---- training: Accelerate's loop == the plain loop, bit for bit ------------------------------------------------
+def _r_train(rank, world, name, options):
+    _env(rank)
+    ds = _dataset(STEPS * P)
+    # under Accelerate
+    acc = _accelerator()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    opt, loader = acc.prepare(opt, torch.utils.data.DataLoader(ds, batch_size=B))
+    seen = []
+    for x, y in loader:
+        seen.append(x)
+        loss = F.cross_entropy(model(x), y)
+        acc.backward(loss)
+        acc.clip_grad_norm_(net.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    steps_acc = model.algorithm.step
+    model.close()
+    # the plain bagua_lite loop on this rank's batches (Accelerate hands batch i to rank i % P)
+    net2 = _net()
+    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    model2 = bagua_lite.DistributedModel(net2, opt2, build(name, **options), bucket_size_mb=0.001)
+    mine = [ds[(s * P + rank) * B:(s * P + rank + 1) * B] for s in range(STEPS)]
+    for x, y in mine:
+        F.cross_entropy(model2(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(net2.parameters(), 0.5)
+        opt2.step()
+        opt2.zero_grad()
+    model2.close()
+    return {"same_data": len(seen) == STEPS and all(torch.equal(a, b[0]) for a, b in zip(seen, mine)),
+            "steps": (steps_acc, model2.algorithm.step), "acc": _flat(net), "plain": _flat(net2), "init": _flat(_net())}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(P)  # its own ranks: Accelerate keeps per-process singletons (its state, the gradient state)
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+def test_training_under_accelerate_is_the_plain_loop_bit_for_bit(cluster, name):
+    res = cluster.run(_r_train, name, ALGORITHMS[name], timeout=120)
+    for r, o in enumerate(res):
+        assert o["same_data"], f"rank {r}: Accelerate's loader did not hand this rank batches i*P+rank"
+        assert o["steps"] == (STEPS, STEPS), (r, o["steps"])
+        assert not torch.equal(o["acc"], o["init"]), f"rank {r}: nothing trained"
+        assert torch.equal(o["acc"], o["plain"]), \
+            f"{name}, rank {r}: weights differ from the plain loop by {(o['acc'] - o['plain']).abs().max():.3g}"
+    if name != "local_sgd" or STEPS % ALGORITHMS["local_sgd"]["period"] == 0:  # replicas meet after an average
+        assert all(torch.equal(o["acc"], res[0]["acc"]) for o in res), f"{name}: replicas differ"
+
+
+# ---- gradient accumulation: accelerator.accumulate(model) == the plain no_sync() loop ------------------------------
+def _r_accumulate(rank, world, name, options, gas):
+    _env(rank)
+    ds = _dataset(STEPS * gas * P)
+    acc = _accelerator(gradient_accumulation_steps=gas)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    opt, loader = acc.prepare(opt, torch.utils.data.DataLoader(ds, batch_size=B))
+    synced = []
+    for x, y in loader:
+        with acc.accumulate(model):  # no_sync() on the model for all but the last micro-batch of each step
+            synced.append(acc.sync_gradients)
+            acc.backward(F.cross_entropy(model(x), y))  # Accelerate divides the loss by gas
+            opt.step()                                  # runs only on a synchronising micro-batch
+            opt.zero_grad()
+    steps_acc = model.algorithm.step
+    model.close()
+    net2 = _net()
+    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
+    model2 = bagua_lite.DistributedModel(net2, opt2, build(name, **options), bucket_size_mb=0.001)
+    for s in range(STEPS):
+        for m in range(gas):
+            i = (s * gas + m) * P + rank
+            x, y = ds[i * B:(i + 1) * B]
+            with (model2.no_sync() if m < gas - 1 else torch.enable_grad()):
+                (F.cross_entropy(model2(x), y) / gas).backward()
+        opt2.step()
+        opt2.zero_grad()
+    model2.close()
+    return {"synced": synced, "steps": (steps_acc, model2.algorithm.step), "acc": _flat(net), "plain": _flat(net2)}
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "gtopk"])
+def test_accumulate_is_the_plain_no_sync_loop(cluster, name):
+    gas = 3
+    options = {"density": 0.2} if name == "gtopk" else {}  # gtopk with its default momentum correction
+    res = cluster.run(_r_accumulate, name, options, gas, timeout=120)
+    for r, o in enumerate(res):
+        assert o["synced"] == ([False] * (gas - 1) + [True]) * STEPS, o["synced"]
+        assert o["steps"] == (STEPS, STEPS), (r, o["steps"])
+        assert torch.equal(o["acc"], o["plain"]), \
+            f"{name}, rank {r}: differs from the no_sync loop by {(o['acc'] - o['plain']).abs().max():.3g}"
+    assert all(torch.equal(o["acc"], res[0]["acc"]) for o in res), f"{name}: replicas differ"
+
+
+# ---- the wrong orders are refused; what unwrapping gives --------------------------------------------------------
+def _r_refusals(rank, world):
+    _env(rank)
+    acc = _accelerator()
+    out = {}
+    # 1. accelerator.prepare(model): Accelerate wraps it in a DDP of its own, which would average twice
+    net = _net()
+    model = bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    wrapped = acc.prepare(model)
+    out["wrapped_in"] = type(wrapped).__name__
+    try:
+        wrapped(torch.randn(B, 8)).sum().backward()
+        out["ddp"] = None
+    except RuntimeError as e:
+        out["ddp"] = str(e)
+    model.close()
+    # 2. DistributedModel(net, prepared_optimizer): the AcceleratedOptimizer takes no step hooks
+    net = _net()
+    prepared = acc.prepare(torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        bagua_lite.DistributedModel(net, prepared).close()
+        out["wrapper_opt"] = None
+    except TypeError as e:
+        out["wrapper_opt"] = str(e)
+    return out
+
+
+def test_wrong_orders_are_refused_on_every_rank(cluster):
+    for o in cluster.run(_r_refusals, timeout=60):
+        assert o["wrapped_in"] == "DistributedDataParallel"
+        assert o["ddp"] is not None and "runs inside a DistributedDataParallel" in o["ddp"] \
+            and "accelerator.prepare(optimizer, loader)" in o["ddp"], o["ddp"]
+        assert o["wrapper_opt"] is not None and "AcceleratedOptimizer" in o["wrapper_opt"] \
+            and "DistributedModel(net, optimizer) first" in o["wrapper_opt"], o["wrapper_opt"]
+
+
+def _r_unwrap(rank, world):
+    _env(rank)
+    from accelerate.utils import extract_model_from_parallel
+    acc = _accelerator()
+    net = _net()
+    model = bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    compiled = torch.compile(model)
+    plain = {k: v.clone() for k, v in net.state_dict().items()}
+    out = {
+        # model.module is the inner module, for Accelerate as for DDP users: plain keys, the same tensors
+        "unwrap_inner": acc.unwrap_model(model.module) is net and extract_model_from_parallel(model.module) is net,
+        "inner_sd": list(acc.get_state_dict(model.module)) == list(plain)
+        and all(torch.equal(v, plain[k]) for k, v in acc.get_state_dict(model.module).items()),
+        # Accelerate unwraps only the classes it lists (DDP, DataParallel, DeepSpeed, FSDP) and torch.compile:
+        # a DistributedModel comes back as itself, its state_dict with DDP's "module." keys
+        "unwrap_model": acc.unwrap_model(model) is model and extract_model_from_parallel(model) is model,
+        "model_sd": list(acc.get_state_dict(model)) == ["module." + k for k in plain],
+        "compiled": acc.unwrap_model(compiled, keep_torch_compile=False) is model,
+    }
+    model.close()
+    return out
+
+
+def test_what_accelerate_unwrapping_gives(cluster):
+    for o in cluster.run(_r_unwrap, timeout=60):
+        assert o == {k: True for k in o}, o
