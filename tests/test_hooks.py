@@ -348,3 +348,45 @@ def test_hooks_are_reachable_from_a_plain_import():
     assert top.hooks.gtopk_hook is hooks.gtopk_hook and top.hooks.SparseState is hooks.SparseState
     for h in (hooks.topk_hook, hooks.gtopk_hook, hooks.compressed_hook):
         assert "register_comm_hook(state, bagua_lite.hooks." in h.__doc__ and "travels" in h.__doc__
+
+
+# ---- the benchmark's rows ---------------------------------------------------------------------------------------------
+
+def _r_bench_rows(rank, P, cells):
+    """Each hook row as the benchmark builds it (bench.cells.wrap), two steps: the hook ran and replicas agree."""
+    from bagua_lite.bench.cells import wrap
+    out = []
+    for cell in cells:
+        net = MLP()
+        model, ours, opt, handle = wrap(cell, {"bucket_size_mb": 25, "lr": 0.05}, net)
+        bagua_lite.comm.reset_traffic()
+        for step in range(2):
+            x, y = _batch(rank, step)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append((ours is None and handle is None and isinstance(model, DDP),
+                    bagua_lite.comm.bytes_sent(), torch.cat([p.detach().reshape(-1) for p in net.parameters()])))
+    return out
+
+
+def test_benchmark_hook_rows_are_ddp_with_the_hook(clusters, tmp_path):
+    from bagua_lite.bench.config import load_benchmark_config
+    cfg = tmp_path / "b.yaml"
+    cfg.write_text("world_sizes: [3]\nnetworks: [loopback]\nmodels: [mlp25m]\nalgorithms: [ddp, "
+                   "{name: ddp_topk_hook, density: 0.01}, {name: ddp_gtopk_hook, density: 0.01}, "
+                   "{name: ddp_compressed_hook, compression: sign}]\n")
+    cells = load_benchmark_config(str(cfg))["algorithms"][1:]
+    assert [c["label"] for c in cells] == ["ddp_topk_hook(density=0.01)", "ddp_gtopk_hook(density=0.01)",
+                                           "ddp_compressed_hook(compression=sign)"]
+    res = clusters.get(3).run(_r_bench_rows, cells)
+    for i, cell in enumerate(cells):
+        assert all(r[i][0] for r in res), cell
+        assert all(r[i][1] > 0 for r in res), f"{cell['label']}: bagua_lite's counter saw no traffic"
+        assert all(torch.equal(r[i][2], res[0][i][2]) for r in res), f"{cell['label']}: replicas differ"
+    for bad, pattern in (("{name: ddp_gtopk_hook, density: 2}", r"SparseState: density must be in \(0, 1\]"),
+                         ("{name: ddp_compressed_hook, compression: int3}", "unknown compression 'int3'"),
+                         ("{name: ddp_topk_hook, rank: 4}", "ddp_topk_hook has no option 'rank'; allowed: density")):
+        cfg.write_text(f"world_sizes: [2]\nnetworks: [loopback]\nmodels: [mlp25m]\nalgorithms: [ddp, {bad}]\n")
+        with pytest.raises(ValueError, match=pattern):
+            load_benchmark_config(str(cfg))

@@ -4,7 +4,7 @@ import datetime
 import os
 import socket
 
-from .config import BASELINES, make_optimizer, optimizer_momentum
+from .config import BASELINES, HOOK_BASELINES, hook_state, make_optimizer, optimizer_momentum
 
 
 def wrap(cell, cfg, net):
@@ -45,6 +45,8 @@ def wrap(cell, cfg, net):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.get("rank", 4),
                                             start_powerSGD_iter=2, min_compression_rate=0.5)
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif name in HOOK_BASELINES:
+        model.register_comm_hook(*hook_state(name, options))
     return model, None, opt, None
 
 

@@ -50,6 +50,9 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
 ``timing_steps`` (with ``project_time``) measured steps per cell in a timing run, at least, rounded up to
                  whole cycles and at least two cycles (default 6).
 ``timing_warmup_steps`` (with ``project_time``) unmeasured steps before them (default 2).
+The ``ddp_topk_hook``, ``ddp_gtopk_hook`` (option ``density``, default 0.001) and ``ddp_compressed_hook`` (option
+``compression``, default minmax_uint8) baselines are DDP with ``bagua_lite.hooks``' hook of that name (the
+optimizer's SGD momentum acts on the averaged sparse gradient: no momentum correction under a hook).
 The ``torchft_diloco`` baseline (optional: needs ``pip install torchft==0.2.0 --no-deps`` and its
 opentelemetry dependencies, the ``torchft`` extra) is torchft's DiLoCo (``torchft.local_sgd.DiLoCo``) with
 its Manager and lighthouse, options ``period`` (H, default 500), ``outer_optimizer`` (default SGD lr 0.7,
@@ -67,7 +70,10 @@ import yaml
 
 from .zoo import MODELS
 
-BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", "torchft_diloco")
+# DDP with one of bagua_lite.hooks' communication hooks: name -> (hook, its state's one option)
+HOOK_BASELINES = {"ddp_topk_hook": ("topk_hook", "density"), "ddp_gtopk_hook": ("gtopk_hook", "density"),
+                  "ddp_compressed_hook": ("compressed_hook", "compression")}
+BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", *HOOK_BASELINES, "torchft_diloco")
 TORCHFT_OPTIONS = ("period", "outer_optimizer", "fragments", "fragment_sync_delay", "fragment_update_alpha")
 OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
 STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
@@ -192,6 +198,8 @@ def load_benchmark_config(path):
                                "pip install torchft==0.2.0 --no-deps and opentelemetry-sdk "
                                "opentelemetry-exporter-otlp-proto-http, or the bagua_lite[torchft] extra)")
                 continue
+        elif name in HOOK_BASELINES:
+            hook_state(name, entry)  # validate now, before any process starts
         elif name not in BASELINES:
             algorithm = build(name, **entry)  # validate now, before any process starts
             if mode == "convergence" and out["project_time"]:
@@ -204,6 +212,19 @@ def load_benchmark_config(path):
     out["algorithms"] = algs
     out["skipped"] = skipped
     return out
+
+
+def hook_state(name, options):
+    """(state, hook) of a ``HOOK_BASELINES`` row: DDP + ``bagua_lite.hooks.<hook>`` with its state built from
+    the row's one option (``density`` for the sparse hooks, ``compression`` for compressed_hook)."""
+    from .. import hooks
+
+    hook, key = HOOK_BASELINES[name]
+    extra = sorted(set(options) - {key})
+    if extra:
+        raise ValueError(f"benchmark config: {name} has no option {extra[0]!r}; allowed: {key}")
+    state = (hooks.SparseState if key == "density" else hooks.CompressedState)(**options)
+    return state, getattr(hooks, hook)
 
 
 def _check_torchft(options):

@@ -5,7 +5,7 @@ import os
 import statistics
 import sys
 
-from .config import BASELINES, STRAGGLER_RANK
+from .config import BASELINES, HOOK_BASELINES, STRAGGLER_RANK
 
 
 def cycle_median(values, cycle=1):
@@ -19,6 +19,11 @@ def cycle_median(values, cycle=1):
         return statistics.fmean(values)
     chunks = [values[i:i + cycle] for i in range(0, len(values) - cycle + 1, cycle)]
     return statistics.median(statistics.fmean(ch) for ch in chunks)
+
+
+def _counted(name):
+    """Whether bagua_lite's traffic counter sees a row's collectives: ours, and DDP with bagua_lite's hooks."""
+    return name not in BASELINES or name in HOOK_BASELINES
 
 
 def _ddp_baseline(cells, c, name="algorithm", base="ddp"):
@@ -96,8 +101,9 @@ def summarize(records):
         ddp_samples = _cell_figures(ddp)[1] if ddp else None
         wait = cycle_median(c["waits"], cyc)
         busy = cycle_median(c["busy"], cyc)
-        # bagua_lite's own counter sees our collectives only; DDP's bytes show on emulated links' counters.
-        counted = cycle_median(c["bytes"], cyc) if c["bytes"] and c["algorithm"] not in BASELINES else None
+        # bagua_lite's own counter sees our collectives only (ours and bagua_lite.hooks'); DDP's bytes show on
+        # emulated links' counters.
+        counted = cycle_median(c["bytes"], cyc) if c["bytes"] and _counted(c["algorithm"]) else None
         # with a straggler the step includes its sleep: that is not communication
         comm_s = max(0.0, step - c["floor_s"]) if straggler == "none" else None
         hidden = None
@@ -311,7 +317,7 @@ def project_records(records):
     for t in (r for r in records if r["kind"] == "timing"):
         def figures(m):
             cyc = m.get("cycle", 1)
-            counted = cycle_median(m["bytes"], cyc) if m.get("bytes") and t["algorithm"] not in BASELINES else None
+            counted = cycle_median(m["bytes"], cyc) if m.get("bytes") and _counted(t["algorithm"]) else None
             return cycle_median(m["times"], cyc), cycle_median(m.get("tx_bytes") or [], cyc), counted
 
         warm = t.get("warmup_steps") or 0
