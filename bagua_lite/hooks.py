@@ -11,7 +11,7 @@ per-bucket memory (error-feedback residuals), allocated once per DDP bucket and 
 hook (state)        what travels per bucket of n elements and step (P ranks)     the same as
 ==================  ===========================================================  ========================
 ``topk_hook``       each rank's k = density*n (value, int32 index) pairs,        ``topk``,
-(SparseState)       allgathered: 8k (P-1) bytes sent per rank (fp32)             ``momentum_correction=0``
+(SparseState)       allgathered: (8k + 16)(P-1) bytes sent per rank (fp32)       ``momentum_correction=0``
 ``gtopk_hook``      recursive doubling: log2 P swaps of k pairs, 8k bytes each   ``gtopk``,
 (SparseState)                                                                    ``momentum_correction=0``
 ``compressed_hook`` the bucket compressed by any registered compressor,          ``gradient_allreduce``
@@ -23,7 +23,11 @@ an optimizer without momentum, or whose momentum acts on the averaged gradient i
 bit for bit as ``bagua_lite.DistributedModel`` with that algorithm (``tests/test_hooks.py``). Where they
 cannot coincide: momentum correction (topk/gtopk's default with SGD momentum) moves the optimizer's
 momentum in front of the selection, and a DDP hook never sees the optimizer; here the optimizer's momentum
-acts on the sparse average, as with ``momentum_correction: 0``.
+acts on the sparse average, as with ``momentum_correction: 0``. And a bucket's layout: DDP's first step
+lays a bucket out in registration order, later ones in the order gradients became ready (DistributedModel's
+order for a sequential model). The sparse hooks' results do not depend on the order (top-k by magnitude,
+sums in rank order); a compressor's chunks and ranges do, so compressed_hook's first step matches
+gradient_allreduce's only where the orders agree (e.g. one parameter per bucket).
 
 A bucket's work runs on one background thread per state, in bucket order (the same on every rank), and the
 hook returns at once a ``torch.futures.Future`` that the thread completes, so the exchange overlaps with the
@@ -227,8 +231,8 @@ def topk_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Futu
     magnitude, and allgathers them as one message of [k values][k int32 indices]; every rank sums the P
     sets (divided by P) in rank order into the bucket, zeros elsewhere. The residual keeps the rest.
 
-    What travels per bucket and step: each rank sends its 8k bytes (fp32) to each of the P - 1 others,
-    8k (P - 1) bytes, growing with P (gtopk_hook's does not). Example, 1% of each bucket::
+    What travels per bucket and step: each rank sends its 8k bytes (fp32) and a 16-byte header to each of
+    the P - 1 others, (8k + 16)(P - 1) bytes, growing with P (gtopk_hook's does not). Example, 1% of each bucket::
 
         state = bagua_lite.hooks.SparseState(density=0.01)
         ddp_model.register_comm_hook(state, bagua_lite.hooks.topk_hook)
@@ -315,10 +319,10 @@ def compressed_hook(state: CompressedState, bucket: dist.GradBucket) -> torch.fu
     recompresses and allgathers (``bagua_lite.comm.compressed_allreduce``); every rank ends with the same
     bits. ``fp16`` is one allreduce of the bucket in half precision, pre-scaled by 1/P.
 
-    What travels per bucket and step, per rank, for n elements: about 2 (P-1)/P * wire_bytes(n), i.e. n
-    bytes for ``minmax_uint8`` (plus 8 per chunk), n/4 for ``sign``, 2n for ``fp16``/``bf16`` (a quarter,
-    an sixteenth, a half of DDP's fp32 allreduce); plus a 4-byte allreduce (non-finite agreement) except
-    for ``fp16``. Example::
+    What travels per bucket and step, per rank, for n elements: about 2 (P-1)/P * wire_bytes(n), with
+    wire_bytes(n) = n + 8 per chunk for ``minmax_uint8``, n/8 + 4 for ``sign``, 2n for ``fp16``/``bf16``
+    (a quarter, 1/32, a half of DDP's fp32 allreduce); plus a 4-byte allreduce (non-finite agreement)
+    except for ``fp16``. Example::
 
         state = bagua_lite.hooks.CompressedState(compression="minmax_uint8")
         ddp_model.register_comm_hook(state, bagua_lite.hooks.compressed_hook)
