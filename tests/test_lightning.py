@@ -11,8 +11,9 @@ Per algorithm, each rank trains the same model (same seed, same per-rank batches
 - the plain loop: ``DistributedModel``; ``loss.backward(); opt.step(); opt.zero_grad()``;
 - Lightning, automatic optimization (``opt.step(closure)``), with a checkpoint after every epoch;
 - Lightning, manual optimization (``manual_backward``, ``opt.step()``);
-- Lightning with ``accumulate_grad_batches=2`` against the plain loop with the first micro-batch's
-  backward under ``no_sync()`` and each loss halved;
+- Lightning with ``accumulate_grad_batches=2``, and manual optimization accumulating two micro-batches
+  under ``LightningOptimizer.toggle_model(sync_grad=False)``, against the plain loop with the first
+  micro-batch's backward under ``no_sync()`` and each loss halved;
 - Lightning resumed with ``fit(ckpt_path=<epoch 0's checkpoint>)`` in a fresh Trainer and model (with
   dropout, so the RNG state must travel too) against the uninterrupted Lightning run;
 and the final weights and optimizer state must be identical to the bit on every rank. The asynchronous
@@ -74,10 +75,10 @@ def _optimizer(kind, net):
 
 
 class LitNet(pl.LightningModule):
-    def __init__(self, kind="sgd", manual=False, dropout=0.0, two_optimizers=False):
+    def __init__(self, kind="sgd", manual=False, dropout=0.0, two_optimizers=False, manual_accumulate=1):
         super().__init__()
         self.net = Net(dropout)
-        self.kind, self.two_optimizers = kind, two_optimizers
+        self.kind, self.two_optimizers, self.manual_accumulate = kind, two_optimizers, manual_accumulate
         self.automatic_optimization = not manual
 
     def forward(self, x):
@@ -89,9 +90,18 @@ class LitNet(pl.LightningModule):
         if self.automatic_optimization:
             return loss
         opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(loss)
-        opt.step()
+        if self.manual_accumulate == 1:
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return
+        # accumulation by hand: the micro-batches before the last one's backward without synchronisation
+        last = (batch_idx + 1) % self.manual_accumulate == 0
+        with opt.toggle_model(sync_grad=last):
+            self.manual_backward(loss / self.manual_accumulate)
+        if last:
+            opt.step()
+            opt.zero_grad()
 
     def configure_optimizers(self):
         if self.two_optimizers:
@@ -179,9 +189,10 @@ def _trainer(strategy_arg, root, ckpt_dir=None, accumulate=1, epochs=EPOCHS, **o
                       accumulate_grad_batches=accumulate, default_root_dir=root)
 
 
-def _lightning(rank, label, root, manual=False, accumulate=1, ckpt_dir=None, ckpt_path=None, dropout=0.0):
+def _lightning(rank, label, root, manual=False, accumulate=1, ckpt_dir=None, ckpt_path=None, dropout=0.0,
+               manual_accumulate=1):
     name, options, kind = ALGORITHMS[label]
-    lit = LitNet(kind, manual=manual, dropout=dropout)
+    lit = LitNet(kind, manual=manual, dropout=dropout, manual_accumulate=manual_accumulate)
     trainer = _trainer(build(name, **options), root, ckpt_dir=ckpt_dir, accumulate=accumulate)
     torch.manual_seed(1000 + rank)  # dropout masks: per rank (a resumed run continues the checkpoint's RNG)
     trainer.fit(lit, _loader(rank), ckpt_path=ckpt_path)
@@ -200,8 +211,11 @@ def _r_matrix(rank, world_size, labels, root):
             res["automatic"] = _compare(auto, plain)
             manual, _ = _lightning(rank, label, root, manual=True)
             res["manual"] = _compare(manual, plain)
+            plain_accumulated = _plain(rank, label, accumulate=2)
             accumulated, _ = _lightning(rank, label, root, accumulate=2)
-            res["accumulate_grad_batches=2"] = _compare(accumulated, _plain(rank, label, accumulate=2))
+            res["accumulate_grad_batches=2"] = _compare(accumulated, plain_accumulated)
+            accumulated, _ = _lightning(rank, label, root, manual=True, manual_accumulate=2)
+            res["manual, toggle_model(sync_grad=False)"] = _compare(accumulated, plain_accumulated)
             # checkpoint and resume, with dropout (the RNG state travels as well)
             ckpt_dir = os.path.join(root, label)
             straight, trainer = _lightning(rank, label, root, ckpt_dir=ckpt_dir, dropout=0.2)
@@ -233,7 +247,8 @@ def _check(results, labels):
     for label in labels:
         for r, res in enumerate(results):
             got = res[label]
-            for what in ("automatic", "manual", "accumulate_grad_batches=2", "resume"):
+            for what in ("automatic", "manual", "accumulate_grad_batches=2", "manual, toggle_model(sync_grad=False)",
+                         "resume"):
                 if got[what] != "identical":
                     problems.append(f"{label} rank {r} {what}: {got[what]}")
             if not got["closed"]:
@@ -253,7 +268,7 @@ def test_lightning_trains_as_the_plain_loop_for_every_algorithm(cluster4, tmp_pa
     results = cluster4.run(_r_matrix, labels, str(tmp_path), timeout=600)
     problems = _check(results, labels)
     assert not problems, "\n".join(problems)
-    print(f"{len(labels)} algorithms x 5 Lightning runs on {P} ranks: {time.time() - t0:.1f} s")
+    print(f"{len(labels)} algorithms x 6 Lightning runs on {P} ranks: {time.time() - t0:.1f} s")
 
 
 def _r_async_and_refusals(rank, world_size, root):
@@ -277,8 +292,17 @@ def _r_async_and_refusals(rank, world_size, root):
 
         # a checkpoint of another algorithm, and one without bagua_lite's state
         ckpt_dir = os.path.join(root, "gtopk")
-        _trainer(build("gtopk", density=0.2), root, ckpt_dir=ckpt_dir, epochs=1).fit(LitNet(), _loader(rank))
+        trainer = _trainer(build("gtopk", density=0.2), root, ckpt_dir=ckpt_dir, epochs=1)
+        trainer.fit(LitNet(), _loader(rank))
         path = os.path.join(ckpt_dir, f"epoch=0-step={BATCHES}.ckpt")
+        # trainer.save_checkpoint after fit (the model is closed) writes the same state as the last one in fit
+        after = os.path.join(root, "after_fit.ckpt")
+        trainer.save_checkpoint(after)
+        read = (lambda f: torch.load(f, weights_only=False)["bagua_lite"]) if rank == 0 else \
+            (lambda f: torch.load(f"{f}.bagua_lite/rank{rank}.pt", weights_only=False))
+        a, b = read(path)["algorithm"], read(after)["algorithm"]
+        out["save_after_fit"] = a.keys() == b.keys() and a["step"] == b["step"] == BATCHES and all(
+            all(torch.equal(x, y) for x, y in zip(a[k], b[k])) for k in a if k != "step")
         foreign = os.path.join(root, "foreign.ckpt")
         if rank == 0:
             ckpt = torch.load(path, weights_only=False)
@@ -315,6 +339,7 @@ def test_async_past_warmup_trains_and_stops_its_thread_and_refusals(cluster4, tm
             and "algorithm: checkpoint gtopk, now topk" in out["other_algorithm"], (r, out["other_algorithm"])
         assert out["foreign"] and "holds no bagua_lite state" in out["foreign"], (r, out["foreign"])
         assert out["config"] == (0.002, 0.2), out["config"]
+        assert out["save_after_fit"], r
 
 
 def test_importing_bagua_lite_does_not_import_lightning_and_a_missing_lightning_is_named():
