@@ -40,10 +40,10 @@ every rank's residual stays as it was before the step. The sparse hooks carry th
 rank with a non-finite gradient sends +inf values, which survive the merges); ``compressed_hook`` adds one
 4-byte allreduce per bucket in front of the compressed exchange, since a quantizer cannot carry inf.
 
-Checkpoints: a state pickles (``torch.save``) without its process group and thread, with its residuals;
-they are restored by DDP bucket index, checked against the bucket's parameter shapes. DDP rebuilds its
-buckets once after the first step (in the order gradients became ready): residuals follow their parameters
-into the new layout, exactly.
+Checkpoints: a state pickles (``torch.save``) without its process group and thread, with its residuals per
+parameter; a new DDP of the same model (same bucket sizes) with the unpickled state resumes bit for bit. DDP
+rebuilds its buckets once after the first step (in the order gradients became ready): residuals follow
+their parameters into the new layout, exactly.
 """
 import math
 from typing import Dict, Optional
@@ -88,7 +88,8 @@ class _HookState:
         self.process_group = process_group
         self._memory: Dict[int, _Memory] = {}
         self._where = {}     # id(param) -> (its _Memory, offset): where its residual lives now
-        self._restored = {}  # bucket index -> (residual, shapes) from a checkpoint, not yet claimed
+        self._origin = {}    # id(param) -> (bucket index, position) where this state first saw it
+        self._restored = {}  # (bucket index, position) -> a parameter's residual from a checkpoint
         self._worker = None
 
     @property
@@ -109,7 +110,9 @@ class _HookState:
 
     def _bucket_memory(self, bucket, buf) -> _Memory:
         """The bucket's memory, allocated on its first step; after DDP rebuilt its buckets (a new parameter
-        list at this index) a new one, each parameter's residual copied from where it was."""
+        list at this index) a new one, each parameter's residual copied from where it was (or, the first
+        time, from a checkpoint: by where the saving state first saw the parameter, i.e. DDP's first-step
+        layout, which a new DDP of the same model repeats)."""
         i, params = bucket.index(), bucket.parameters()
         key = tuple(id(p) for p in params)
         mem = self._memory.get(i)
@@ -118,20 +121,20 @@ class _HookState:
         shapes = tuple(tuple(p.shape) for p in params)
         new = _Memory(buf.numel(), buf, key, shapes, self._k(buf.numel()), self._feedback(),
                       self._working_copy)
-        restored = self._restored.pop(i, None)
-        if restored is not None:
-            residual, saved_shapes = restored
-            if saved_shapes != shapes:
-                raise ValueError(f"{type(self).__name__}: the checkpointed residual of DDP bucket {i} was for "
-                                 f"parameters of shapes {list(saved_shapes)}, this bucket holds {list(shapes)}; "
-                                 f"load it into a model with the same DDP bucket layout")
-            new.residual.copy_(residual)
         offset = 0
-        for p in params:
+        for j, p in enumerate(params):
             n = p.numel()
+            origin = self._origin.setdefault(id(p), (i, j))
             if new.residual is not None and id(p) in self._where:
                 old, at = self._where[id(p)]
                 new.residual[offset:offset + n].copy_(old.residual[at:at + n])
+            elif new.residual is not None and origin in self._restored:
+                saved = self._restored.pop(origin)
+                if saved.shape != p.shape:
+                    raise ValueError(f"{type(self).__name__}: the checkpointed residual of DDP bucket {i}, "
+                                     f"parameter {j} has shape {tuple(saved.shape)}, this model's parameter there "
+                                     f"{tuple(p.shape)}; load it into the same model, DDP bucket sizes and hook")
+                new.residual[offset:offset + n].copy_(saved.reshape(-1))
             self._where[id(p)] = (new, offset)
             offset += n
         self._memory[i] = new
@@ -157,10 +160,18 @@ class _HookState:
         return fut
 
     def __getstate__(self):
-        """The options and the residuals; not the process group (as torch's ``PowerSGDState``) nor the thread."""
-        return {"options": {name: getattr(self, name) for name in self._options},
-                "residuals": {i: (m.residual.clone(), m.shapes) for i, m in self._memory.items()
-                              if m.residual is not None}}
+        """The options and each parameter's residual, keyed by (bucket index, position) where this state first
+        saw it; not the process group (as torch's ``PowerSGDState``) nor the thread."""
+        residuals = {}
+        for mem in self._memory.values():
+            if mem.residual is None:
+                continue
+            offset = 0
+            for pid, shape in zip(mem.key, mem.shapes):
+                n = math.prod(shape)
+                residuals[self._origin[pid]] = mem.residual[offset:offset + n].clone().view(shape)
+                offset += n
+        return {"options": {name: getattr(self, name) for name in self._options}, "residuals": residuals}
 
     def __setstate__(self, state):
         """The process group is the default one; set ``process_group`` after loading for another."""
