@@ -5,8 +5,9 @@ from . import comm, compressors, hooks, kernels, runtime  # noqa: F401
 from .algorithm import Algorithm, register  # noqa: F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from .compressors import Compressor, register_compressor  # noqa: F401
-from .config import Config, load_config, parse_config  # noqa: F401
+from .config import Config, load_config, parse_config, shipped_configs  # noqa: F401
 from .distributed import DistributedModel  # noqa: F401
+from .ranks import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size  # noqa: F401
 from .runtime import tune_cpu_allocator  # noqa: F401
 
 __version__ = "0.1.0"

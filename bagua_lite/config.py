@@ -5,14 +5,18 @@
       density: 0.001
     bucket_size_mb: 25
 
-``load_config(path)`` reads a file, ``parse_config(text)`` a YAML string; both validate everything
-(unknown keys get the nearest valid name suggested) before any process-group traffic.
+``load_config(path)`` reads a file, ``load_config("gtopk")`` a shipped config by name (``<algorithm>``:
+that algorithm's defaults, exactly ``algorithm="<algorithm>"``; ``bytegrad``, ``streaming_diloco``, ...:
+named variants; :func:`shipped_configs` lists them), ``parse_config(text)`` a YAML string; all validate
+everything (unknown keys get the nearest valid name suggested) before any process-group traffic.
 """
 import difflib
+import importlib.resources
 import math
 import os
 import re
 from dataclasses import dataclass, field
+from typing import List
 
 import yaml
 
@@ -89,10 +93,34 @@ def parse_config(text: str) -> Config:
     return config_from_dict(yaml.load(text, Loader=_Loader), "<string>")
 
 
+def _shipped_dir():
+    return importlib.resources.files("bagua_lite.configs")
+
+
+def shipped_configs(benchmark: bool = False) -> List[str]:
+    """The names :func:`load_config` takes besides paths: the training configs installed with the package
+    (``benchmark=True``: the benchmark's matrices, ``python -m bagua_lite.bench --config <name>``)."""
+    return sorted(f.name[:-len(".yaml")] for f in _shipped_dir().iterdir()
+                  if f.name.endswith(".yaml") and f.name.startswith("benchmark") == benchmark)
+
+
+def shipped_path(name: str, benchmark: bool = False):
+    """The installed file of shipped config ``name`` (``"gtopk"`` or ``"gtopk.yaml"``), or None."""
+    name = name[:-len(".yaml")] if name.endswith(".yaml") else name
+    if name in shipped_configs(benchmark):
+        return _shipped_dir() / f"{name}.yaml"
+    return None
+
+
 def load_config(path) -> Config:
-    """Read and validate a YAML file."""
+    """Read and validate a YAML file, or a shipped config by name: ``load_config("gtopk")`` (from any
+    directory; a file of that name in the working directory is read instead)."""
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"config: no such file {path!r}")
-    with open(path) as f:
-        return config_from_dict(yaml.load(f, Loader=_Loader), path)
+    if os.path.isfile(path):
+        with open(path) as f:
+            return config_from_dict(yaml.load(f, Loader=_Loader), path)
+    shipped = shipped_path(path)
+    if shipped is not None:
+        return config_from_dict(yaml.load(shipped.read_text(), Loader=_Loader), f"bagua_lite.configs/{shipped.name}")
+    raise FileNotFoundError(f"config: no such file {path!r}, and no shipped config of that name (shipped: "
+                            f"{', '.join(shipped_configs())})")

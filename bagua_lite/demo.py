@@ -1,6 +1,6 @@
 """A local demo: train a small MLP on scikit-learn's digits with every algorithm config, 4 processes.
 
-    python -m bagua_lite.demo [--configs configs/*.yaml] [--world-size 4] [--epochs 20]
+    python -m bagua_lite.demo [--configs a.yaml b.yaml ...] [--world-size 4] [--epochs 20]
 
 The processes are spawned here on loopback (gloo); ``examples/train.py`` runs the same training under
 ``torchrun``. Prints one row per config: time per step, final training loss, held-out accuracy.
@@ -20,6 +20,17 @@ import torch.distributed as dist
 from .bench.config import optimizer_momentum
 from .bench.data import digits_shards
 from .bench.zoo import make_mlp
+
+
+def digits_configs(root="."):
+    """The configs the demo trains by default, one per training config shipped in ``root/configs``: the
+    recipe tuned for this small model and short run, ``root/examples/digits/<name>.yaml``, where there is one
+    (sparse densities of 0.01 with a warm-up, shorter periods), else the shipped ``configs/<name>.yaml``."""
+    shipped = sorted(p for p in glob.glob(os.path.join(root, "configs", "*.yaml"))
+                     if not os.path.basename(p).startswith("benchmark"))
+    tuned = os.path.join(root, "examples", "digits")
+    return [os.path.join(tuned, os.path.basename(p)) if os.path.exists(os.path.join(tuned, os.path.basename(p)))
+            else p for p in shipped]
 
 
 def train_digits(cfg, epochs=20, batch_size=16, lr=0.05, momentum=0.9, schedule="cosine", seed=0):
@@ -109,13 +120,14 @@ def _next_result(out, procs, timeout_s=900):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="*", default=None, help="YAML files (default: configs/*.yaml except benchmark)")
+    ap.add_argument("--configs", nargs="*", default=None, help="YAML files (default: digits_configs(): every shipped "
+                    "training config, in its digits recipe where examples/digits/ has one)")
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=20)
     args = ap.parse_args(argv)
     import bagua_lite
 
-    paths = args.configs or sorted(p for p in glob.glob("configs/*.yaml") if "benchmark" not in p)
+    paths = args.configs or digits_configs()
     if not paths:
         raise SystemExit("demo: no configs found; run from the repository root or pass --configs")
     for p in paths:

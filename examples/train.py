@@ -1,6 +1,6 @@
 """Train a small MLP on scikit-learn's digits with any bagua_lite algorithm, under torchrun.
 
-    torchrun --nproc_per_node 4 examples/train.py --config configs/gtopk.yaml --epochs 20
+    torchrun --nproc_per_node 4 examples/train.py --config examples/digits/gtopk.yaml --epochs 20
 
 Each rank trains on its own shard; rank 0 prints the final loss and held-out accuracy.
 """

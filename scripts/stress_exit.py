@@ -35,8 +35,9 @@ ABORT = re.compile(r"terminate called|SIGABRT|Signal 6|exitcode\s*:\s*-6|core du
 
 
 def algorithm_configs():
-    return sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
-                  if not os.path.basename(p).startswith("benchmark"))
+    from bagua_lite.demo import digits_configs
+
+    return digits_configs(ROOT)
 
 
 def start_burners(n):

@@ -1,13 +1,13 @@
-"""Every training config in configs/ runs end to end through examples/train.py under torchrun.
+"""Every training config in configs/ runs end to end through examples/train.py under torchrun, in its
+digits recipe where examples/digits/ has one (``bagua_lite.demo.digits_configs``):
 
-    torchrun --standalone --nproc_per_node 2 examples/train.py --config configs/<name>.yaml --epochs 2
+    torchrun --standalone --nproc_per_node 2 examples/train.py --config examples/digits/gtopk.yaml --epochs 2
 
 (``torchrun`` is run as ``python -m torch.distributed.run`` of this interpreter.) Each config runs once:
 it must exit 0 (any other exit code fails, an abort at interpreter exit included) and rank 0 must print
 its ``test_accuracy=`` line with an accuracy well above chance (10 classes). Benchmark configs
 (``configs/benchmark*.yaml``) describe benchmark matrices, not a training run, and are left out.
 """
-import glob
 import math
 import os
 import re
@@ -16,9 +16,10 @@ import sys
 
 import pytest
 
+from bagua_lite.demo import digits_configs
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
-                 if not os.path.basename(p).startswith("benchmark"))
+CONFIGS = digits_configs(ROOT)
 EPOCHS = 2
 FLOOR = 0.3  # chance is 0.1; 2 epochs at P = 2 reach 0.55 (topk at density 0.01) to 0.8 (dense SGD)
 LINE = re.compile(r"^(?P<config>\S+\.yaml): .* world_size=(?P<world>\d+) final_loss=(?P<loss>[0-9.]+) "

@@ -18,7 +18,6 @@ What is checked, per world size (each remote function batches many checks into o
   different configurations all fail at set-up, naming the differing rank.
 """
 import copy
-import glob
 import hashlib
 import os
 import re
@@ -895,8 +894,9 @@ def test_mismatched_configs_fail_on_every_rank(clusters, P, which):
 
 
 def _training_configs():
-    return sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml"))
-                  if not os.path.basename(p).startswith("benchmark"))
+    from bagua_lite.demo import digits_configs
+
+    return digits_configs(ROOT)
 
 
 def _r_digits(rank, P, paths, epochs):
@@ -920,7 +920,7 @@ def test_digits_convergence_every_config(clusters):
     print("held-out accuracy:", {k: round(v, 4) for k, v in acc.items()})
     base = acc["gradient_allreduce.yaml"]
     assert base > 0.95, f"dense SGD itself reaches only {base}"
-    gtopk = bagua_lite.load_config(os.path.join(ROOT, "configs", "gtopk.yaml")).algorithm
+    gtopk = bagua_lite.load_config(os.path.join(ROOT, "examples", "digits", "gtopk.yaml")).algorithm
     assert gtopk.density == 0.01, "the 1-point bound below is stated for gtopk at density 0.01"
     for path in paths:
         name, a = os.path.basename(path), acc[os.path.basename(path)]
@@ -938,7 +938,8 @@ ODD_P_CONFIGS = ("gradient_allreduce.yaml", "decentralized.yaml", "low_precision
 def test_digits_convergence_of_the_relaxations_at_odd_p(clusters):
     """P = 3 (odd: shift_one sits a rank out, rings are odd, trees unbalanced): the relaxations of the
     whole space, each within 2 points of dense SGD with the demo's recipe, as at P = 4."""
-    paths = [os.path.join(ROOT, "configs", name) for name in ODD_P_CONFIGS]
+    recipes = {os.path.basename(p): p for p in _training_configs()}
+    paths = [recipes[name] for name in ODD_P_CONFIGS]
     res = clusters.get(3).run(_r_digits, paths, 20, timeout=240)
     acc = {name: res[0][name]["accuracy"] for name in ODD_P_CONFIGS}
     print("held-out accuracy at P = 3:", {k: round(v, 4) for k, v in acc.items()})

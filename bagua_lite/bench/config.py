@@ -65,6 +65,7 @@ The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``straggl
 ``floor_each_cell``, ``repeats``) are
 refused in convergence mode, and the convergence keys in throughput mode.
 """
+import os
 
 import yaml
 
@@ -89,8 +90,17 @@ CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch
 
 # ---- configuration -----------------------------------------------------------------------------------------
 def load_benchmark_config(path):
+    """Read and check a benchmark config: a file, or a shipped one by name (``benchmark_lm``)."""
     import difflib
 
+    from ..config import shipped_configs, shipped_path
+
+    if not os.path.isfile(path):
+        shipped = shipped_path(path, benchmark=True)
+        if shipped is None:
+            raise FileNotFoundError(f"benchmark config: no such file {path!r}, and no shipped benchmark config of "
+                                    f"that name (shipped: {', '.join(shipped_configs(benchmark=True))})")
+        path = str(shipped)
     with open(path) as f:
         cfg = yaml.safe_load(f)
     if not isinstance(cfg, dict):

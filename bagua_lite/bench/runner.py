@@ -463,7 +463,8 @@ def _read(path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/benchmark.yaml")
+    ap.add_argument("--config", default="benchmark", help="a benchmark YAML file, or a shipped one by name "
+                    "(benchmark, benchmark_lm, benchmark_hooks, ...; default: benchmark)")
     ap.add_argument("--project", default="", help="comma-separated world sizes to project to, e.g. 16,32,128,1024")
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
