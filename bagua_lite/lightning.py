@@ -18,6 +18,7 @@ strategy to the Trainer; the LightningModule stays as it is::
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
+    torch.manual_seed(0)                 # the same data set in every process; Lightning's sampler shards it
     x = torch.randn(512, 20)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=32)
     trainer = pl.Trainer(accelerator="cpu", devices=4, max_epochs=2,
@@ -36,12 +37,13 @@ instance. What happens, against a Lightning DDP run:
   (several param groups are fine): a second optimizer over the module's parameters would step gradients
   no algorithm saw, so it is refused when the Trainer sets up.
 - Automatic optimization (``optimizer.step(closure)``), manual optimization (``manual_backward``,
-  ``opt.step()``), ``accumulate_grad_batches`` (the accumulating micro-batches run under
+  ``opt.step()``) and ``accumulate_grad_batches`` (the accumulating micro-batches run under
   ``DistributedModel.no_sync()``, through :meth:`block_backward_sync`; so does
-  ``LightningOptimizer.toggle_model(sync_grad=False)``), gradient clipping, LR schedulers and
-  precision plugins train exactly as bagua_lite's plain loop (``tests/test_lightning.py`` compares the
-  final weights bit for bit for every built-in algorithm). Clipping or unscaling a ``.grad`` that holds
-  more than a gradient (topk/gtopk momentum correction, qadam) is refused by the DistributedModel.
+  ``LightningOptimizer.toggle_model(sync_grad=False)``) train exactly as bagua_lite's plain loop:
+  ``tests/test_lightning.py`` compares final weights and optimizer state bit for bit for every built-in
+  algorithm at 4 processes. Gradient clipping, LR schedulers and precision plugins act where they act in a
+  plain loop (clipping between backward and step); clipping or unscaling a ``.grad`` that holds more than
+  a gradient (topk/gtopk momentum correction, qadam) is refused by the DistributedModel, as without Lightning.
 - Checkpoints: the Lightning checkpoint (written by rank 0, keys of the LightningModule's own
   ``state_dict``, no ``module.`` prefix) also carries rank 0's algorithm state (residuals, momenta, copies,
   step count) and RNG state under ``"bagua_lite"``; every other rank r writes its own weights, optimizer
@@ -259,9 +261,12 @@ class BaguaLiteStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath) -> None:
         if self.is_global_zero:
-            side = _side_dir(filepath)
+            path = os.fspath(filepath)
+            # a link (ModelCheckpoint's last.ckpt) leaves its target's side files alone
+            side = None if "://" not in path and os.path.islink(path) else _side_dir(path)
             super().remove_checkpoint(filepath)
-            self.checkpoint_io.remove_checkpoint(side)
+            if side is not None:
+                self.checkpoint_io.remove_checkpoint(side)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
