@@ -48,6 +48,14 @@ class AveragingThread:
     def start(self):
         self.worker.submit(self._run)
 
+    def restart(self):
+        """A new, not yet started thread after the last one stopped (pause, then resume); ``rounds`` and
+        an error kept from the old one carry over."""
+        if self.worker.busy:
+            raise RuntimeError("async_model_average: the averaging thread is still running")
+        error, self.worker = self.worker.error, Worker(self.worker.name)
+        self.worker.error = error
+
     def _run(self):
         flag, stopping = torch.ones(1, dtype=torch.int32), self.worker.stopping
         while True:

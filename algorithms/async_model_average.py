@@ -16,8 +16,9 @@ since the last average instead, with error feedback (see :mod:`bagua_lite.averag
 
 Stopping: ``DistributedModel.close()`` on a rank makes its next flag 0; in that round every rank's
 thread sees 0 and exits, so ranks may close at different times (a rank closing later finds its thread
-already gone; its remaining steps are purely local). ``rounds`` counts completed averages (equal on all
-ranks). If the background collective fails (a dead peer, a timeout), the training thread raises a
+already gone; its remaining steps are purely local). ``pause()`` / ``resume()`` (BAGUA's abort/resume)
+stop and restart the averaging around an evaluation, on every rank alike. ``rounds`` counts completed
+averages (equal on all ranks). If the background collective fails (a dead peer, a timeout), the training thread raises a
 RuntimeError at its next forward or step. After ``close()`` on every rank, ``average_now()`` (collective)
 makes the replicas identical. The averaging writes the weights' storage directly (not through autograd),
 so an average landing between a forward and its backward is not an autograd error; that backward then
@@ -50,6 +51,7 @@ class AsyncModelAverage(Algorithm):
         get_compressor(compression, self.name)  # unknown names: ValueError listing the known ones
         self.compression = compression
         self.thread = None  # the averaging thread (made in init)
+        self.paused = False
         self._step_lock = StepLock()  # L: optimizer.step() vs. the thread's snapshot / apply
 
     @classmethod
@@ -109,15 +111,38 @@ class AsyncModelAverage(Algorithm):
     def after_step(self):
         self._step_lock.release()
         self._check()
-        if not self.thread.worker.started and self.step >= self.warmup_steps:
-            if self.step == self.warmup_steps:
-                self.averager.reset_anchor()  # replicas are identical at the end of warm-up
+        if self.step == self.warmup_steps:
+            self.averager.reset_anchor()  # replicas are identical at the end of warm-up
+        if not self.paused and not self.thread.worker.started and self.step >= self.warmup_steps:
+            self.thread.start()
+
+    def pause(self):
+        """Stop the background averaging after its round in flight (BAGUA's ``abort``), e.g. before an
+        evaluation; call it on every rank. The first rank to pause ends every rank's averaging in the same
+        round, so the ranks' threads stay paired; steps taken meanwhile are local. Then ``average_now()``
+        (collective) makes the replicas identical, and ``resume()`` starts the averaging again."""
+        self._check()
+        self.paused = True
+        self._stop_thread()
+
+    def resume(self):
+        """Start the background averaging again after :meth:`pause` (on every rank; a no-op when not
+        paused). During the warm-up it starts when the warm-up ends, as without a pause."""
+        if not self.paused:
+            return
+        self._check()
+        self.paused = False
+        self.thread.restart()
+        if self.step >= self.warmup_steps:
             self.thread.start()
 
     def close(self):
         """Stop the thread after its round in flight; its collective may wait on a failed rank, so not after
         a peer failed (the exit hook waits for it then, even though the peers are known to have failed)."""
         self._step_lock.release()
+        self._stop_thread()
+
+    def _stop_thread(self):
         wait_s = self._timeout_s + self.sync_interval_ms / 1000 + 10
         if not self.thread.worker.stop(wait_s, give_up=self.model.peer_failed):
             failed = self.model.peer_failed()
@@ -126,9 +151,11 @@ class AsyncModelAverage(Algorithm):
                           f"it is a daemon and ends with the process")
 
     def average_now(self):
-        """After ``close()`` on every rank (collective): every replica <- the average (compressed if set)."""
+        """After ``close()`` or ``pause()`` on every rank (collective): every replica <- the average
+        (compressed if set)."""
         if self.thread.worker.busy:
-            raise RuntimeError("async_model_average: average_now() needs close() first (the thread still runs)")
+            raise RuntimeError("async_model_average: average_now() needs close() or pause() first (the thread "
+                               "still runs)")
         self.averager.average(self.group)
 
     # ---- state ----------------------------------------------------------------------------------------------

@@ -207,3 +207,62 @@ def test_bad_options(options, pattern):
     else:
         with pytest.raises(TypeError, match="sync_interval_ms"):
             build("async_model_average", **options)
+
+
+def _r_pause_resume(rank, P, warmup):
+    """pause() / resume() around an evaluation, as BAGUA's abort/resume: the rounds stop on every rank in
+    the same round, average_now() then makes the replicas identical, and resume() starts them again."""
+    net, opt, model = _model("async_model_average", sync_interval_ms=10, warmup_steps=warmup)
+    alg, s, out = model.algorithm, 0, {}
+    if warmup:
+        alg.pause()  # in the warm-up: nothing runs yet, and the averaging must not start at its end
+        for s in range(warmup + 3):
+            _step(model, opt, rank, s)
+        s += 1
+        out["paused_in_warmup_rounds"] = alg.rounds
+        out["started_while_paused"] = alg.thread.worker.busy
+        alg.resume()
+    deadline = time.monotonic() + 60
+    while (alg.rounds < 3 or s < warmup + 5) and time.monotonic() < deadline:
+        time.sleep(0.005)
+        _step(model, opt, rank, s)
+        s += 1
+    out["rounds_before_pause"] = alg.rounds
+    time.sleep(0.05 * rank)  # ranks pause at different times
+    alg.pause()
+    paused_at = alg.rounds
+    for _ in range(5):  # local steps while paused: no round runs
+        time.sleep(0.02)
+        _step(model, opt, rank, s)
+        s += 1
+    out["rounds_while_paused"] = alg.rounds - paused_at
+    out["paused_at"] = paused_at
+    alg.average_now()
+    out["evaluated"] = _flat(net)  # what an evaluation sees
+    alg.resume()
+    deadline = time.monotonic() + 60
+    while alg.rounds < paused_at + 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+        _step(model, opt, rank, s)
+        s += 1
+    out["rounds_after_resume"] = alg.rounds - paused_at
+    dist.barrier()
+    model.close()
+    alg.average_now()
+    out["final"] = _flat(net)
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("warmup", [0, 4])
+def test_pause_and_resume_around_an_evaluation(clusters, P, warmup):
+    res = clusters.get(P).run(_r_pause_resume, warmup, timeout=180)
+    for r, out in enumerate(res):
+        assert out["rounds_before_pause"] >= 3, out["rounds_before_pause"]
+        assert out["rounds_while_paused"] == 0, f"rank {r}: {out['rounds_while_paused']} rounds while paused"
+        assert out["paused_at"] == res[0]["paused_at"], "every rank's averaging stops in the same round"
+        assert out["rounds_after_resume"] >= 3, f"rank {r}: averaging did not resume"
+        assert torch.equal(out["evaluated"], res[0]["evaluated"]), f"rank {r}: replicas differ after average_now"
+        assert torch.equal(out["final"], res[0]["final"])
+        if warmup:
+            assert out["paused_in_warmup_rounds"] == 0 and not out["started_while_paused"]
