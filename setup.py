@@ -65,7 +65,11 @@ setup(
     # Optional benchmark rows, never needed by the library: torchft's DiLoCo baseline (torchft_diloco; torchft
     # itself needs torch >= 2.7, which the installed torch satisfies: install it with --no-deps to be sure no
     # other torch comes along) and Hugging Face's GPT-2 built from a config (hf_gpt2).
+    # Integrations, each optional (the core needs only torch, numpy and pyyaml): bagua_lite.lightning's strategy,
+    # DistributedModel under Accelerate, Hugging Face models. Each accepts the installed torch, which pip keeps.
     extras_require={"test": ["pytest", "hypothesis", "scikit-learn"], "benchmark": ["matplotlib"],
+                    "lightning": ["pytorch-lightning>=2.1"], "accelerate": ["accelerate>=1.0"],
+                    "hf": ["transformers>=4.40"],
                     "torchft": ["torchft==0.2.0", "opentelemetry-sdk>=1.39", "opentelemetry-exporter-otlp-proto-http>=1.39"],
                     "transformers": ["transformers"]},
 )
