@@ -117,7 +117,7 @@ class BaguaLiteStrategy(DDPStrategy):
     Example::
 
         trainer = pl.Trainer(accelerator="cpu", devices=4, accumulate_grad_batches=2,
-                             strategy=BaguaLiteStrategy("configs/gtopk.yaml"))
+                             strategy=BaguaLiteStrategy("streaming_diloco"))  # a shipped config, by name
         trainer.fit(model, loader)
         trainer.fit(model, loader, ckpt_path="lightning_logs/version_0/checkpoints/last.ckpt")  # resumes
     """
