@@ -205,8 +205,9 @@ class Algorithm:
         self.step = int(state["step"])
         for name, (tensors, _) in self._kept.items():
             saved = state.get(name)
-            if saved is None or len(saved) != len(tensors):
-                raise ValueError(f"{self.name}: the saved state has no {name!r} of {len(tensors)} tensors")
+            if saved is None or len(saved) != len(tensors) or any(t.shape != s.shape for t, s in zip(tensors, saved)):
+                raise ValueError(f"{self.name}: the saved state has no {name!r} of {len(tensors)} tensors shaped "
+                                 f"as this model's (saved for another model or other options?)")
             for t, s in zip(tensors, saved):
                 t.copy_(s)
 
