@@ -53,7 +53,8 @@ class GradientAllReduce(Algorithm):
     def init(self, model):
         feedback = self.compressor is not None and self.compressor.error_feedback
         self.residuals = [torch.zeros_like(b.flat) if feedback else None for b in model.buckets]
-        self._backups = [torch.empty_like(b.flat) if feedback else None for b in model.buckets]
+        # checkpointed, and put back by the framework if a round is discarded (some rank's gradient non-finite)
+        self.register_state("residuals", [r for r in self.residuals if r is not None], rollback=True)
         if not self.hierarchical:
             return
         n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
@@ -100,16 +101,13 @@ class GradientAllReduce(Algorithm):
                 flat.copy_(half)
                 _C.count_sent(2 * (P - 1) * half.nbytes // P, 2 * (P - 1))  # what the ring sends
             return [fp16_allreduce]
-        residual, backup = self.residuals[bucket.index], self._backups[bucket.index]
+        residual = self.residuals[bucket.index]
 
         def guard(flat, b=bucket.index):
             """Before the compressor: a non-finite gradient on this rank travels as zeros (quantizers
-            reject NaN; the round is discarded on every rank anyway), and error feedback's residual is kept
-            as it was, in case any rank's gradient was non-finite."""
+            reject NaN; the round is discarded on every rank anyway)."""
             if b in self.nonfinite_buckets:
                 flat.zero_()
-            if backup is not None:
-                backup.copy_(residual)
         if self.compressor.native:
             return [guard, self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]
 
@@ -117,20 +115,7 @@ class GradientAllReduce(Algorithm):
             comm.compressed_allreduce(flat, self.compressor, group=self.process_group, residual=residual)
         return [guard, compressed_allreduce]
 
-    def discard_round(self):
-        for residual, backup in zip(self.residuals, self._backups):
-            if backup is not None:
-                residual.copy_(backup)
-
     step_dependent_wire = False  # the same buckets, sizes and collectives every step
-
-    def state_dict(self):
-        return {"step": self.step, "residuals": [r.clone() for r in self.residuals if r is not None]}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-        for dst, src in zip([r for r in self.residuals if r is not None], state.get("residuals", [])):
-            dst.copy_(src)
 
     def _hierarchical_allreduce(self, flat):
         dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node
