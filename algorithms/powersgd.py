@@ -88,7 +88,9 @@ class PowerSGD(Algorithm):
             self.qs.append(wire[:n_q])
             self.p_bufs.append(p_all)
             self.wires.append(wire)
-        self._backups = [(torch.empty_like(e), torch.empty_like(q)) for e, q in zip(self.residuals, self.qs)]
+        # checkpointed, and put back by the framework if a round is discarded (some rank's gradient non-finite)
+        self.register_state("residuals", self.residuals, rollback=True)
+        self.register_state("qs", self.qs, rollback=True)
 
     def bucket_ops(self, bucket):
         def powersgd(flat, b=bucket.index):
@@ -97,8 +99,6 @@ class PowerSGD(Algorithm):
             else:
                 if b in self.nonfinite_buckets:  # the round is discarded on every rank: travel as zeros
                     flat.zero_()
-                for src, dst in zip((self.residuals[b], self.qs[b]), self._backups[b]):
-                    dst.copy_(src)  # kept until every rank's gradient is known to be finite
                 self.compress_and_average(b)
         powersgd.__name__ = f"powersgd_bucket{bucket.index}"
         return [powersgd]
@@ -121,21 +121,3 @@ class PowerSGD(Algorithm):
             slot.copy_(buf)
         for g, m, p, q in mats:
             torch.mm(p, q.t(), out=g)                      # G <- P^ Q^T
-
-    def discard_round(self):
-        if self.step >= self.warmup_steps:
-            for b, (e, q) in enumerate(self._backups):
-                self.residuals[b].copy_(e)
-                self.qs[b].copy_(q)
-
-    def state_dict(self):
-        return {"step": self.step, "residuals": [e.clone() for e in self.residuals], "qs": [q.clone() for q in self.qs]}
-
-    def load_state_dict(self, state):
-        pairs = list(zip(self.residuals, state["residuals"])) + list(zip(self.qs, state["qs"]))
-        if len(pairs) != 2 * len(self.qs) or any(dst.shape != src.shape for dst, src in pairs):
-            raise ValueError("powersgd: load_state_dict: the state's residuals/qs do not match this model's buckets")
-        self.step = int(state["step"])
-        for dst, src in pairs:
-            dst.copy_(src)
-
