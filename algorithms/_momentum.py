@@ -92,9 +92,6 @@ class MomentumCorrection:
             for b, w in zip(self.model.buckets, written):
                 b.seal(w)
 
-    def discard(self):
-        self._committed = None
-
     def before_step(self, written):
         """The optimizer applies the (already corrected) update without momentum or decay, and for the
         parameters whose sparse result is untouched, not at all: ``_sparse_step`` did it."""

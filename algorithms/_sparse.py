@@ -66,9 +66,11 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._correction = _momentum.MomentumCorrection(self.name, self.momentum_correction)
         self._correction.resolve(model)
         self.memory = SparseMemory(model.buckets, momentum=self._correction.active)
-        # Between steps a bucket holds only the last sparse result; remembering where it wrote lets
-        # the next step clear k entries instead of the whole bucket (None: clear everything).
+        # Between steps a bucket holds only the last kept sparse result; remembering where it wrote lets
+        # the next step clear k entries instead of the whole bucket (None: clear everything). A round's
+        # entries count once it is kept (commit_round): a discarded round's buckets are NaN everywhere.
         self._written = [None] * len(model.buckets)
+        self._round_written = [None] * len(model.buckets)
 
     # ---- the optimizer's side: momentum correction and the sparse step (_momentum) ------------------------
     def before_step(self):
@@ -118,6 +120,7 @@ class ErrorFeedbackSparsifier(Algorithm):
             acc = self.memory.acc[b.index]  # gradient + old residual (on_gradient)
             values, indices = self.selection.select(acc, b, self.current_density())
             self.aggregate(values, indices, acc, flat, b)
+            self._round_written[b.index], self._written[b.index] = self._written[b.index], None
         sparsify_and_aggregate.__name__ = f"{self.name}_bucket{bucket.index}"
         return [sparsify_and_aggregate]
 
@@ -127,14 +130,11 @@ class ErrorFeedbackSparsifier(Algorithm):
         raise NotImplementedError
 
     def commit_round(self):
+        """The swap that makes the working copies the state, and what the optimizer step applies sparsely.
+        (A discarded round needs nothing: the state was never swapped in, the selection reset itself.)"""
         self.memory.commit()
+        self._written[:] = self._round_written
         self._correction.commit(self._written)
-
-    def discard_round(self):
-        self._written = [None] * len(self._written)  # the framework overwrites the buckets (NaN)
-        for b in range(len(self._written)):
-            self.selection.reset(b)
-        self._correction.discard()
 
     def state_dict(self):
         return {"step": self.step, **self.memory.state_dict()}
