@@ -22,18 +22,23 @@ Hooks, in the order of one training step:
                            the slot; ``grad`` may already be the slot, or None if it got no gradient)
 ``before_forward()``       at the start of every forward
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
-``commit_round()`` / ``discard_round()``  after every synchronised backward, once the ranks agreed whether
-                           any rank's gradient was non-finite: commit the state the bucket ops produced
-                           (error-feedback residuals, momenta), or restore it as it was before the step
-                           (the framework then makes every rank's ``.grad`` NaN, so a loss scaler skips the
-                           step, and without one ``optimizer.step()`` raises). A rank's own non-finite
+``commit_round()``         after a synchronised backward, once the ranks agreed that every rank's gradient
+                           was finite: the round is kept. Most algorithms need none: tensors declared with
+                           ``register_state(..., rollback=True)`` are put back by the framework when the round
+                           is discarded (some rank's gradient was non-finite: the framework then makes every
+                           rank's ``.grad`` NaN, so a loss scaler skips the step, and without one
+                           ``optimizer.step()`` raises). It exists for what a copy back cannot express: state
+                           that becomes current by a swap (Top-k's double-buffered residuals and momenta,
+                           which a rollback would copy twice per step) and what a kept round hands to the
+                           optimizer step (which entries the sparse result wrote). A rank's own non-finite
                            gradient is recorded by :meth:`Algorithm.fill` (or ``nonfinite_buckets.add``)
 ``before_step()``          inside every ``optimizer.step()``, before the optimizer's own update (after the
                            closure, if one was passed, ran its forward and backward)
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
-``state_dict()`` / ``load_state_dict()``  the algorithm's own state (residuals, counters)
+``state_dict()`` / ``load_state_dict()``  checkpointed state that is not a list of tensors (counters, an
+                           outer optimizer's state, a decision); tensors need only :meth:`register_state`
 
 Collectives an algorithm runs itself, outside the buckets (a periodic weight average, a wait for a peer
 exchange), go through ``self.model.run_collective("what", fn)``: ``fn()`` runs on the engine thread while
@@ -80,6 +85,10 @@ class Algorithm:
         """Record the options of every instance, however it is made (``build(...)`` or ``GTopK(...)``), so
         the cross-rank config check and ``repr`` see them: the outermost ``__init__`` binds its arguments."""
         super().__init_subclass__(**kwargs)
+        if "discard_round" in cls.__dict__:  # a hook no longer called: refuse it rather than ignore it
+            raise TypeError(f"{cls.__qualname__}: discard_round is not a hook any more; declare the state a "
+                            f"discarded round must put back with self.register_state(name, tensors, "
+                            f"rollback=True) in init(), and the framework copies it back")
         init = cls.__dict__.get("__init__")
         if init is None:
             return
@@ -160,11 +169,8 @@ class Algorithm:
         pass
 
     def commit_round(self) -> None:
-        """Every rank's gradient was finite: keep the state this round's bucket ops produced."""
-
-    def discard_round(self) -> None:
-        """Some rank's gradient was non-finite: put the state back as it was before this round's bucket
-        ops (they ran on every rank, the bad rank's gradient replaced by zeros where it could crash them)."""
+        """Every rank's gradient was finite: the round is kept (see the module docstring for who needs this;
+        a discarded round needs no hook: ``register_state(..., rollback=True)`` state is put back)."""
 
     def close(self) -> None:
         """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""
@@ -202,13 +208,15 @@ class Algorithm:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
+        """The step count and every :meth:`register_state` tensor, checked before anything is copied."""
         for name, (tensors, _) in self._kept.items():
             saved = state.get(name)
             if saved is None or len(saved) != len(tensors) or any(t.shape != s.shape for t, s in zip(tensors, saved)):
                 raise ValueError(f"{self.name}: the saved state has no {name!r} of {len(tensors)} tensors shaped "
                                  f"as this model's (saved for another model or other options?)")
-            for t, s in zip(tensors, saved):
+        self.step = int(state["step"])
+        for name, (tensors, _) in self._kept.items():
+            for t, s in zip(tensors, state[name]):
                 t.copy_(s)
 
     # ---- conveniences for subclasses -----------------------------------------------------------------

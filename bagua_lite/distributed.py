@@ -8,8 +8,9 @@ One step, as data (see DESIGN.md):
 3. end of backward (an autograd engine callback): buckets not yet handed over (parameters that got no
    gradient this step are zero-filled) are submitted, the scheduler waits for the engine, results are
    in ``.grad``; the ranks agree (one tiny all_gather) whether any rank's gradient held inf/NaN: if not,
-   ``algorithm.commit_round()``; if so, ``algorithm.discard_round()`` and every rank's ``.grad`` becomes
-   NaN (a loss scaler skips the step; without one ``optimizer.step()`` raises, naming the ranks).
+   ``algorithm.commit_round()``; if so, the algorithm's ``register_state(..., rollback=True)`` tensors are
+   put back as they were before the round and every rank's ``.grad`` becomes NaN (a loss scaler skips
+   the step; without one ``optimizer.step()`` raises, naming the ranks).
 4. ``optimizer.step()``: a closure's forward and backward first, then ``algorithm.before_step()``, the
    optimizer's update, ``algorithm.after_step()`` (the model's own step hooks: no algorithm has any).
 The agreement after the buckets also carries every rank's step count, so a rank that took a step more or
@@ -419,7 +420,6 @@ class DistributedModel(torch.nn.Module):
         msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
         if msg:
             self.algorithm._roll_back()
-            self.algorithm.discard_round()
             self._failfast.announce(msg)  # the model is failed: forward() and optimizer.step() refuse
             raise RuntimeError(msg)
         if any(w != _ALL_USED for row in rows for w in row[2:]):  # some rank left some parameter out
@@ -434,7 +434,6 @@ class DistributedModel(torch.nn.Module):
             self.algorithm.commit_round()
             return
         self.algorithm._roll_back()
-        self.algorithm.discard_round()
         with torch.no_grad():
             for b in self.buckets:
                 b.flat.fill_(float("nan"))
