@@ -17,7 +17,6 @@ import signal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.rendezvous import rendezvous
 
 import bagua_lite
 
@@ -47,12 +46,10 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    # torchrun's store outlives a restart; keys of the failed attempt's group (gloo's peer addresses)
-    # would be read by the new one ("Connection refused"), so each attempt's group gets its own prefix.
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    store, rank, world_size = next(rendezvous("env://"))
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                            world_size=world_size)
+    # not dist.init_process_group(): torchrun's store outlives a restart, and a new attempt's group would
+    # read the failed one's keys; bagua_lite's gives each attempt a store prefix of its own
+    bagua_lite.init_process_group()
+    attempt, rank = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), dist.get_rank()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)

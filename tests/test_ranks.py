@@ -46,12 +46,62 @@ def test_under_torchrun(tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text("import torch.distributed as dist, bagua_lite\n"
                       "dist.init_process_group('gloo')\n"
-                      "print('RANKS', bagua_lite.get_rank(), bagua_lite.get_world_size(), bagua_lite.get_local_rank(),"
-                      " bagua_lite.get_local_size(), bagua_lite.get_node_rank(), flush=True)\n"
+                      "r = [bagua_lite.get_rank(), bagua_lite.get_world_size(), bagua_lite.get_local_rank(),"
+                      " bagua_lite.get_local_size(), bagua_lite.get_node_rank()]\n"
+                      "open(f'ranks{dist.get_rank()}', 'w').write(' '.join(map(str, r)))\n"
                       "dist.destroy_process_group()\n")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                           str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = sorted(line.split()[1:] for line in out.stdout.splitlines() if line.startswith("RANKS"))
-    assert lines == [["0", "2", "0", "2", "0"], ["1", "2", "1", "2", "0"]], out.stdout
+    # one file per rank: two processes' prints interleave on torchrun's shared stdout
+    assert [(tmp_path / f"ranks{r}").read_text() for r in range(2)] == ["0 2 0 2 0", "1 2 1 2 0"]
+
+
+def test_init_process_group_refuses_before_any_traffic(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(RuntimeError, match="did not set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
+        bagua_lite.init_process_group()
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+        bagua_lite.init_process_group("mpi")
+
+
+def _r_twice(rank, P):
+    try:
+        bagua_lite.init_process_group()
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_init_process_group_refuses_a_second_group(clusters):
+    for msg in clusters.get(2).run(_r_twice):
+        assert "already exists" in msg
+
+
+def test_a_torchrun_restart_reconnects(tmp_path):
+    """A worker SIGKILLed in the first attempt: torchrun restarts the group (the agent's store keeps the
+    first attempt's keys) and every worker of the second attempt joins and runs a collective. The restart
+    with checkpoints, bit for bit: tests/test_examples.py::test_elastic_restart_resumes_bit_identically."""
+    script = tmp_path / "restart.py"
+    script.write_text(
+        "import os, signal, torch, torch.distributed as dist, bagua_lite\n"
+        "bagua_lite.init_process_group()\n"
+        "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        "t = torch.ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "if attempt == 0 and dist.get_rank() == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "if attempt == 1:\n"
+        "    open(f'joined{dist.get_rank()}', 'w').write(str(int(t)))\n"
+        "dist.barrier() if attempt == 1 else __import__('time').sleep(60)\n"
+        "dist.destroy_process_group()\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                          "--max-restarts", "1", "--monitor-interval", "0.2", str(script)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    joined = [(tmp_path / f"joined{r}").read_text() if (tmp_path / f"joined{r}").exists() else None for r in range(3)]
+    assert joined == ["6", "6", "6"], (joined, out.stderr[-3000:])  # 1 + 2 + 3 on every rank of attempt 1

@@ -1,0 +1,48 @@
+"""``bagua_lite.init_process_group``: the default process group from the launcher's environment, set up so
+that a torchrun restart always reconnects (BAGUA had one too).
+
+    bagua_lite.init_process_group()          # gloo on CPU, nccl (and this process's GPU) on CUDA
+    model = bagua_lite.DistributedModel(net, optimizer, algorithm="gtopk")
+
+Why not plain ``dist.init_process_group()``: under ``torchrun --max-restarts N`` the rendezvous store is the
+agent's, and it outlives a failed attempt. A new attempt's group would read the keys the old one left
+there (gloo's peer addresses: "Connection refused", or a wait until the timeout), so each attempt's group
+here gets a store prefix of its own (``TORCHELASTIC_RESTART_COUNT``).
+"""
+import os
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
+
+from .ranks import get_local_rank
+
+_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_process_group(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> None:
+    """Join the default process group described by the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``; any launcher that sets them works). ``backend``: ``"gloo"`` or
+    ``"nccl"`` (default: nccl where CUDA is available, else gloo; with nccl this process's GPU becomes
+    ``LOCAL_RANK``'s). ``timeout``: the group's (default: torch's)."""
+    if dist.is_initialized():
+        raise RuntimeError("bagua_lite.init_process_group: the default process group already exists; call it "
+                           "once per process, instead of torch.distributed.init_process_group")
+    missing = [name for name in _ENV if not os.environ.get(name)]
+    if missing:
+        raise RuntimeError(f"bagua_lite.init_process_group: the launcher did not set {', '.join(missing)} "
+                           f"(start the processes with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and "
+                           f"MASTER_PORT in each)")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"bagua_lite.init_process_group: backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        torch.cuda.set_device(get_local_rank())
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store, rank, world_size = next(rendezvous("env://", **kwargs))
+    dist.init_process_group(backend, store=dist.PrefixStore(f"bagua_lite/attempt{attempt}", store), rank=rank,
+                            world_size=world_size, **kwargs)
