@@ -42,19 +42,24 @@ def test_single_process_without_a_group(monkeypatch):
         bagua_lite.get_local_rank()
 
 
-def test_under_torchrun(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text("import torch.distributed as dist, bagua_lite\n"
-                      "dist.init_process_group('gloo')\n"
-                      "r = [bagua_lite.get_rank(), bagua_lite.get_world_size(), bagua_lite.get_local_rank(),"
-                      " bagua_lite.get_local_size(), bagua_lite.get_node_rank()]\n"
-                      "open(f'ranks{dist.get_rank()}', 'w').write(' '.join(map(str, r)))\n"
-                      "dist.destroy_process_group()\n")
+def _torchrun(tmp_path, code, nproc, *options):
+    """Run ``code`` as a script under torchrun in ``tmp_path``; each rank reports through files of its own
+    (two processes' prints interleave on torchrun's shared stdout)."""
+    (tmp_path / "script.py").write_text(code)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    # one file per rank: two processes' prints interleave on torchrun's shared stdout
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                          str(nproc), *options, "script.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_under_torchrun(tmp_path):
+    _torchrun(tmp_path, "import torch.distributed as dist, bagua_lite\n"
+                        "dist.init_process_group('gloo')\n"
+                        "r = [bagua_lite.get_rank(), bagua_lite.get_world_size(), bagua_lite.get_local_rank(),"
+                        " bagua_lite.get_local_size(), bagua_lite.get_node_rank()]\n"
+                        "open(f'ranks{dist.get_rank()}', 'w').write(' '.join(map(str, r)))\n"
+                        "dist.destroy_process_group()\n", 2)
     assert [(tmp_path / f"ranks{r}").read_text() for r in range(2)] == ["0 2 0 2 0", "1 2 1 2 0"]
 
 
@@ -85,9 +90,8 @@ def test_a_torchrun_restart_reconnects(tmp_path):
     """A worker SIGKILLed in the first attempt: torchrun restarts the group (the agent's store keeps the
     first attempt's keys) and every worker of the second attempt joins and runs a collective. The restart
     with checkpoints, bit for bit: tests/test_examples.py::test_elastic_restart_resumes_bit_identically."""
-    script = tmp_path / "restart.py"
-    script.write_text(
-        "import os, signal, torch, torch.distributed as dist, bagua_lite\n"
+    _torchrun(
+        tmp_path, "import os, signal, torch, torch.distributed as dist, bagua_lite\n"
         "bagua_lite.init_process_group()\n"
         "attempt = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
         "t = torch.ones(1) * (dist.get_rank() + 1)\n"
@@ -97,11 +101,6 @@ def test_a_torchrun_restart_reconnects(tmp_path):
         "if attempt == 1:\n"
         "    open(f'joined{dist.get_rank()}', 'w').write(str(int(t)))\n"
         "dist.barrier() if attempt == 1 else __import__('time').sleep(60)\n"
-        "dist.destroy_process_group()\n")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
-                          "--max-restarts", "1", "--monitor-interval", "0.2", str(script)],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-3000:]
+        "dist.destroy_process_group()\n", 3, "--max-restarts", "1", "--monitor-interval", "0.2")
     joined = [(tmp_path / f"joined{r}").read_text() if (tmp_path / f"joined{r}").exists() else None for r in range(3)]
-    assert joined == ["6", "6", "6"], (joined, out.stderr[-3000:])  # 1 + 2 + 3 on every rank of attempt 1
+    assert joined == ["6", "6", "6"], joined  # 1 + 2 + 3 on every rank of attempt 1
