@@ -4,13 +4,16 @@
     forward starts:   send the step count, then _start(): post this exchange's messages  (non-blocking)
     after the step:   wait for them (fail fast), check every peer started at this step, _apply(peers)
 
+The step count is ``bagua_lite.agreement``'s (step, -step) pair: in one MAX allreduce under ``all``, else a
+16-byte message to each peer posted ahead of the data (point to point, there is no collective to ride in).
+
 Who the peers are and how a message reaches them: ``_peers.Peers``.
 """
 import threading
 
 import torch
-import torch.distributed as dist
 
+from bagua_lite import agreement
 from bagua_lite._options import int_at_least, within
 from bagua_lite._worker import Worker
 from bagua_lite.algorithm import Algorithm
@@ -56,11 +59,10 @@ class Gossip(Algorithm):
                 or (self.step + 1) % self.communication_interval:
             return
         # the step count goes first, before any data (on any thread): the same order on every rank
-        self._step_out[0], self._step_out[1] = self.step, -self.step
-        if self.peer_selection == "all":  # max of (step, -step): the range of every rank's step
+        agreement.encode(self.step, self._step_out)
+        if self.peer_selection == "all":  # one MAX allreduce: the range of every rank's step
             self._step_in[0].copy_(self._step_out)
-            self._step_works = [dist.all_reduce(self._step_in[0], op=dist.ReduceOp.MAX, group=self.peers.group,
-                                                async_op=True)]
+            self._step_works = [agreement.post_max(self._step_in[0], self.peers.group, async_op=True)]
         else:  # 16 bytes per peer, not counted as traffic
             self._step_works = self._post(self._step_out, self._step_in, STEP_TAG, counted=False)
         self._works = self._start()
@@ -81,16 +83,17 @@ class Gossip(Algorithm):
     def _check_steps(self, frm):
         """Did every peer start this exchange at this rank's step? (A rank that took a step more or fewer
         would otherwise average with its peers' weights of another step from now on, silently.)"""
-        mine = int(self._step_out[0])
+        mine, received = int(self._step_out[0]), self._step_in[:1] if self.peer_selection == "all" else \
+            self._step_in[:len(frm)]
+        lo, hi = agreement.span([self._step_out] + received)
         if self.peer_selection == "all":
-            hi, lo = int(self._step_in[0][0]), -int(self._step_in[0][1])
-            theirs = [] if hi == lo else [f"step counts from {lo} to {hi} across ranks"]
+            theirs = [f"step counts from {lo} to {hi} across ranks"]
         else:
-            theirs = [f"rank {peer} at step {int(t[0])}" for peer, t in zip(frm, self._step_in) if int(t[0]) != mine]
-        if theirs:
-            raise RuntimeError(f"{self.name}: ranks are out of step at a weight exchange: this rank "
-                               f"({self.model.rank}) is at step {mine}, {'; '.join(theirs)}. Every rank must call "
-                               f"optimizer.step() once per step, the same number of times; nothing was averaged")
+            theirs = [f"rank {peer} at step {int(t[0])}" for peer, t in zip(frm, received) if int(t[0]) != mine]
+        agreement.check(lo, hi, lambda: (
+            f"{self.name}: ranks are out of step at a weight exchange: this rank ({self.model.rank}) is at step "
+            f"{mine}, {'; '.join(theirs)}. Every rank must call optimizer.step() once per step, the same number "
+            f"of times; nothing was averaged"))
 
     def _add(self, deltas):
         """Parameters += scale * delta, for one (delta, scale) per flat group (delta None: left as they are)."""

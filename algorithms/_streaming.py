@@ -2,15 +2,16 @@
 sync in turn, and one thread that runs a fragment's sync while training goes on.
 
 The thread runs syncs in the order they were started, on a process group of its own (the model's group
-stays the training thread's). Each sync first agrees on the step it started at (one allreduce of two
-ints); ranks that disagree skip the data on every rank alike, and the merge then raises: a rank a step
-ahead would otherwise pair its fragment with the others' and the replicas would silently differ.
+stays the training thread's). Each sync first agrees on the step it started at (``bagua_lite.agreement``:
+one MAX allreduce of two ints, on the thread, so no step waits for it); ranks that disagree skip the data
+on every rank alike, and the merge then raises: a rank a step ahead would otherwise pair its fragment with
+the others' and the replicas would silently differ.
 """
 import threading
 
 import torch
-import torch.distributed as dist
 
+from bagua_lite import agreement
 from bagua_lite._groups import new_group_like
 from bagua_lite._worker import Worker
 
@@ -48,10 +49,10 @@ class Sync:
         if self.error is not None:
             model.fail(f"{what} failed: {self.error}")
             raise RuntimeError(f"{what} failed on rank {model.rank}: {self.error}") from self.error
-        if self.steps[0] != self.steps[1]:
-            raise RuntimeError(f"{what}: ranks are out of step: they started it at steps {self.steps[0]} to "
-                               f"{self.steps[1]} (this rank ({model.rank}): {self.step}). Every rank must call "
-                               f"optimizer.step() once per step, the same number of times; nothing was averaged")
+        agreement.check(*self.steps, lambda: (
+            f"{what}: ranks are out of step: they started it at steps {self.steps[0]} to {self.steps[1]} (this "
+            f"rank ({model.rank}): {self.step}). Every rank must call optimizer.step() once per step, the same "
+            f"number of times; nothing was averaged"))
 
     @classmethod
     def restored(cls, saved, work):
@@ -78,9 +79,8 @@ class Background:
 
     def _run(self, job):
         try:
-            self._steps[0], self._steps[1] = job.step, -job.step
-            dist.all_reduce(self._steps, op=dist.ReduceOp.MAX, group=self.group)
-            job.steps = (-int(self._steps[1]), int(self._steps[0]))
+            agreement.post_max(agreement.encode(job.step, self._steps), self.group)
+            job.steps = agreement.span([self._steps])
             if job.steps[0] == job.steps[1]:  # every rank alike: all skip the data, or none
                 job.fn(self.group)
         except BaseException as e:  # noqa: B902 (raised on the training thread by the merge)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _C, comm, runtime
+from . import _C, agreement, comm, runtime
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
 from .algorithm import Algorithm, build
@@ -393,13 +393,16 @@ class DistributedModel(torch.nn.Module):
 
     def _step_count_check(self, _flat):
         """Before any bucket travels: do all ranks enter this round at the same step count?"""
-        msg = self._out_of_step([r[0] for r in self._gather_ints([self.algorithm.step])], "nothing was exchanged")
-        if msg:
-            raise RuntimeError(msg)
+        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step])], "nothing was exchanged")
+
+    def _check_steps(self, steps, what):
+        """Raise (``agreement.check``) unless every rank's step count in ``steps`` is the same."""
+        agreement.check(*agreement.steps_span(steps), lambda: self._out_of_step(steps, what))
 
     def _out_of_step(self, steps, what):
         """The error for ranks whose step counts differ, or None."""
-        if min(steps) == max(steps):
+        lo, hi = agreement.steps_span(steps)
+        if lo == hi:
             return None
         by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
         return (f"bagua_lite: ranks are out of step: a synchronised backward started at different optimizer step "
@@ -554,9 +557,7 @@ class DistributedModel(torch.nn.Module):
         """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
         ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
         collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
-        msg = self._out_of_step([r[0] for r in self._gather_ints([self.algorithm.step], group)], what)
-        if msg:
-            raise RuntimeError(msg)
+        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], group)], what)
 
     def fail(self, what: str) -> None:
         """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a
