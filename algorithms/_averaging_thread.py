@@ -4,8 +4,12 @@ of its weights under L, averages it over the ranks without L (training goes on) 
 under L as x + (avg - snapshot), keeping the local steps taken meanwhile (the loop of that module's
 docstring). L (:class:`StepLock`) is held by the training thread across each ``optimizer.step()``.
 ``rounds`` counts completed averages (equal on all ranks); a failed round's exception is ``worker.error``.
+The average writes the weights' storage directly (not through autograd), so one landing between a forward
+and its backward is no autograd error; that backward uses partly averaged weights, as in BAGUA. A step that
+raises leaves L held until the next forward (or close) releases it.
 """
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,14 @@ class AveragingThread:
 
     def start(self):
         self.worker.submit(self._run)
+
+    def stop(self, wait_s: float, give_up) -> None:
+        """End the thread after its round in flight, waiting at most ``wait_s`` seconds and no longer once
+        ``give_up()`` (a failed peer: its collective may wait until the group's timeout)."""
+        if not self.worker.stop(wait_s, give_up=give_up):
+            why = "a rank's communication failed" if give_up() else f"it did not stop within {wait_s:.0f}s"
+            warnings.warn(f"async_model_average: left the background averaging thread behind ({why}); "
+                          f"it is a daemon and ends with the process")
 
     def restart(self):
         """A new, not yet started thread after the last one stopped (pause, then resume); ``rounds`` and

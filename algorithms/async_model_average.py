@@ -11,23 +11,16 @@ others, while a background thread averages the weights over all ranks every ``sy
         with L: x <- x + (avg - s)                                         (keeps the local steps taken meanwhile)
 
 ``compression``: ``none`` averages the weights; any registered compressor averages each rank's change
-since the last average instead, with error feedback (see :mod:`bagua_lite.averaging`). The thread is
-:mod:`._averaging_thread`'s.
+since the last average instead, with error feedback (see :mod:`bagua_lite.averaging`).
 
 Stopping: ``DistributedModel.close()`` on a rank makes its next flag 0; in that round every rank's
-thread sees 0 and exits, so ranks may close at different times (a rank closing later finds its thread
-already gone; its remaining steps are purely local). ``pause()`` / ``resume()`` (BAGUA's abort/resume)
-stop and restart the averaging around an evaluation, on every rank alike. ``rounds`` counts completed
-averages (equal on all ranks). If the background collective fails (a dead peer, a timeout), the training thread raises a
-RuntimeError at its next forward or step. After ``close()`` on every rank, ``average_now()`` (collective)
-makes the replicas identical. The averaging writes the weights' storage directly (not through autograd),
-so an average landing between a forward and its backward is not an autograd error; that backward then
-uses partly averaged weights, as in BAGUA. L is taken by optimizer step pre/post hooks; a step that
-raises leaves it held until the next forward (or close) releases it. The averaging group is made with
-``new_group``, so every rank of the default group must build the model (the usual whole-world case).
+thread exits, so ranks may close at different times (a rank closing later trains locally). ``pause()`` /
+``resume()`` (BAGUA's abort/resume) do the same around an evaluation, on every rank alike; after either,
+``average_now()`` (collective) makes the replicas identical. A failed background collective (a dead peer,
+a timeout) raises on the training thread at its next forward or step. How the thread writes the weights
+and holds L: :mod:`._averaging_thread`. The averaging group is made with ``new_group``, so every rank of
+the default group must build the model (the usual whole-world case).
 """
-import warnings
-
 import torch.distributed as dist
 
 from bagua_lite import cost_model as cm
@@ -71,7 +64,7 @@ class AsyncModelAverage(Algorithm):
         ranks = dist.get_process_group_ranks(model.process_group)
         # collective: every rank creates it; the background thread's traffic never meets the model's group
         self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(model.process_group))
-        self._timeout_s = group_timeout(self.group).total_seconds()
+        self._stop_wait_s = group_timeout(self.group).total_seconds() + self.sync_interval_ms / 1000 + 10
         # .data: average the storage without bumping autograd's version counters (see the docstring)
         self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")
         self.thread = AveragingThread(self.averager, self.group, self.sync_interval_ms / 1000, self._step_lock)
@@ -117,45 +110,31 @@ class AsyncModelAverage(Algorithm):
             self.thread.start()
 
     def pause(self):
-        """Stop the background averaging after its round in flight (BAGUA's ``abort``), e.g. before an
-        evaluation; call it on every rank. The first rank to pause ends every rank's averaging in the same
-        round, so the ranks' threads stay paired; steps taken meanwhile are local. Then ``average_now()``
-        (collective) makes the replicas identical, and ``resume()`` starts the averaging again."""
+        """On every rank (BAGUA's ``abort``), e.g. before an evaluation: the first rank to pause ends every
+        rank's averaging in the same round (the threads stay paired); steps meanwhile are local."""
         self._check()
         self.paused = True
-        self._stop_thread()
+        self.thread.stop(self._stop_wait_s, self.model.peer_failed)
 
     def resume(self):
-        """Start the background averaging again after :meth:`pause` (on every rank; a no-op when not
-        paused). During the warm-up it starts when the warm-up ends, as without a pause."""
-        if not self.paused:
-            return
-        self._check()
-        self.paused = False
-        self.thread.restart()
-        if self.step >= self.warmup_steps:
-            self.thread.start()
+        """On every rank, after :meth:`pause`: averaging starts again (in a warm-up: when it ends)."""
+        if self.paused:
+            self._check()
+            self.paused = False
+            self.thread.restart()
+            if self.step >= self.warmup_steps:
+                self.thread.start()
 
     def close(self):
         """Stop the thread after its round in flight; its collective may wait on a failed rank, so not after
         a peer failed (the exit hook waits for it then, even though the peers are known to have failed)."""
         self._step_lock.release()
-        self._stop_thread()
-
-    def _stop_thread(self):
-        wait_s = self._timeout_s + self.sync_interval_ms / 1000 + 10
-        if not self.thread.worker.stop(wait_s, give_up=self.model.peer_failed):
-            failed = self.model.peer_failed()
-            why = "a rank's communication failed" if failed else f"it did not stop within {wait_s:.0f}s"
-            warnings.warn(f"async_model_average: left the background averaging thread behind ({why}); "
-                          f"it is a daemon and ends with the process")
+        self.thread.stop(self._stop_wait_s, self.model.peer_failed)
 
     def average_now(self):
-        """After ``close()`` or ``pause()`` on every rank (collective): every replica <- the average
-        (compressed if set)."""
+        """After ``close()`` or ``pause()`` on every rank (collective): every replica <- the average."""
         if self.thread.worker.busy:
-            raise RuntimeError("async_model_average: average_now() needs close() or pause() first (the thread "
-                               "still runs)")
+            raise RuntimeError("async_model_average: average_now() needs close() or pause() first")
         self.averager.average(self.group)
 
     # ---- state ----------------------------------------------------------------------------------------------
