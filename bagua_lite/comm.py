@@ -7,7 +7,8 @@ collectives in the same order, as with ``torch.distributed``. ``group=None`` mea
 What travels, per call on P ranks (m = bytes of the tensor):
 
 ==========================  =====================================================================
-``allreduce``               dense ring allreduce: 2(P-1)/P * m per rank
+``allreduce``               dense ring allreduce: 2(P-1)/P * m per rank (``allreduce_start``: the same,
+                            returning at once; its ``wait()`` returns when the result is in place)
 ``compressed_allreduce``    compressed chunks: all-to-all, then allgather of the reduced chunks
 ``sparse_allreduce``        one allgather of [k values][k int32 indices] per rank (TopKAllReduce)
 ``sparse_allgather``        the same exchange, returning every rank's pairs instead of their sum
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from . import _C, compressors
 from ._groups import check_device, resolve_group
 
-__all__ = ["allreduce", "compressed_allreduce", "sparse_allreduce", "sparse_allgather", "gtopk_allreduce",
+__all__ = ["allreduce", "allreduce_start", "compressed_allreduce", "sparse_allreduce", "sparse_allgather", "gtopk_allreduce",
            "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
 
 _OPS = ("avg", "sum")
@@ -52,6 +53,41 @@ def allreduce(t: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
     check_device(t, pg, "allreduce")
     _C.allreduce(pg, t, op == "avg")
     return t
+
+
+class PendingAllreduce:
+    """An :func:`allreduce_start` in flight: ``wait()`` returns ``t`` once it holds the result."""
+
+    def __init__(self, work, t, divide_by):
+        self._work, self._t, self._divide_by = work, t, divide_by
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+            if self._divide_by > 1:
+                self._t.div_(self._divide_by)  # as allreduce's op="avg": the sum, then one division
+        return self._t
+
+
+def allreduce_start(t: torch.Tensor, op: str = "avg", group=None) -> PendingAllreduce:
+    """:func:`allreduce` started and not waited for: the same collective (the group's SUM, then a
+    division for ``"avg"``), so the same bits in ``t``, while the caller works on. Call ``wait()`` on
+    the result before reading or writing ``t``; other collectives may be issued meanwhile (the group
+    runs them in the order issued, the same on every rank)."""
+    _choice("allreduce_start", "op", op, _OPS)
+    pg = resolve_group(group, "allreduce_start")
+    check_device(t, pg, "allreduce_start")
+    if not t.is_contiguous():
+        raise ValueError("bagua_lite.comm.allreduce_start: t must be contiguous")
+    if op == "avg" and not t.is_floating_point():
+        raise ValueError(f"bagua_lite.comm.allreduce_start(op='avg'): t must be floating point, got {t.dtype}")
+    P = pg.size()
+    if P == 1 or t.numel() == 0:
+        return PendingAllreduce(None, t, 1)
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
+    _C.count_sent(2 * (P - 1) * t.nbytes // P, 2 * (P - 1))  # what allreduce counts
+    return PendingAllreduce(work, t, P if op == "avg" else 1)
 
 
 def compressed_allreduce(t: torch.Tensor, compression="fp16", group=None, op: str = "avg",

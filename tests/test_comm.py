@@ -101,6 +101,34 @@ def test_allreduce(cluster):
     assert len(res[0]) == 20
 
 
+def _r_allreduce_start(rank, P, seed):
+    """allreduce_start gives allreduce's bits, with another collective issued while it is in flight."""
+    out = []
+    for n, op in ((1, "avg"), (1000, "avg"), (100_003, "avg"), (777, "sum")):
+        x = _data(seed, rank, n, tag=7)
+        ref = C.allreduce(x.clone(), op)
+        C.reset_traffic()
+        t = x.clone()
+        pending = C.allreduce_start(t, op)
+        steps = torch.tensor([rank], dtype=torch.int64)
+        C.allreduce(steps, "sum")  # issued before the first one is waited for
+        assert pending.wait() is t and pending.wait() is t  # a second wait changes nothing
+        assert int(steps) == P * (P - 1) // 2
+        assert torch.equal(t.view(torch.int32), ref.view(torch.int32)), (n, op)
+        assert C.bytes_sent() == 2 * (P - 1) * t.nbytes // P + 2 * (P - 1) * 8 // P  # as allreduce counts both
+        out.append(_sha(t))
+    with pytest.raises(ValueError, match=r"allreduce_start: op='max' is not allowed"):
+        C.allreduce_start(torch.zeros(3), "max")
+    with pytest.raises(ValueError, match=r"allreduce_start\(op='avg'\): t must be floating point"):
+        C.allreduce_start(torch.zeros(3, dtype=torch.int64))
+    return out
+
+
+def test_allreduce_start_same_bits_as_allreduce(cluster):
+    res = cluster.run(_r_allreduce_start, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after allreduce_start"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # compressed_allreduce
 
