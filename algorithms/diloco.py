@@ -97,12 +97,17 @@ class DiLoCo(Algorithm):
     def _sync_now(self, f):
         # ranks sync when *their* step count says so: a rank a step ahead would pair its sync with the
         # others' one step apart and the replicas would silently differ
-        self.model.check_in_step("nothing was averaged")
-        if not self.frags[f].anchored:
-            self.frags[f].average(self.process_group)
-        else:
-            self.frags[f].reduce_change(self.process_group)
-            self._apply(f)
+        frag, what = self.frags[f], "nothing was averaged"
+        if frag.compressor is not None:  # its error feedback changes as it travels: the check goes first
+            self.model.check_in_step(what)
+            frag.reduce_change(self.process_group)
+        else:  # dense: the data leaves first, the check travels beside it; nothing is applied before it passes
+            pending = frag.start_sync(self.process_group)
+            try:
+                self.model.check_in_step(what)
+            finally:
+                pending.wait()
+        self._apply(f) if frag.anchored else frag.apply(delta=False)
 
     def _merge(self, f):
         self.pending.pop(f).wait(self.model, f"{self.name}: fragment {f}'s sync")  # raises on every rank if bad

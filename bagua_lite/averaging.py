@@ -52,9 +52,21 @@ class WeightAverager:
         return self.reduce_work(group)
 
     def take_change(self) -> None:
-        """This rank's change since the anchor, x - a, into the work buffers (local; needs ``anchored``)."""
-        for flat, anchor, work in zip(self.weights.gather(), self.anchors, self.work):
-            torch.sub(flat, anchor, out=work)
+        """This rank's change since the anchor, x - a, into the work buffers (local; needs ``anchored``),
+        read from the parameters themselves: one pass, no flat copy of the weights first."""
+        with torch.no_grad():
+            for x, a, w in self._slices(self.anchors, self.work):
+                torch.sub(x, a, out=w)
+
+    def _slices(self, *flats):
+        """(parameter as a flat view, then the matching slice of each of ``flats``) per parameter."""
+        for g, (group, _) in enumerate(self.weights.groups):
+            o = 0
+            for p in group:
+                n = p.numel()
+                yield (p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1),
+                       *(f[g][o:o + n] for f in flats))
+                o += n
 
     def reduce_work(self, group) -> List[torch.Tensor]:
         """Average the work buffers over ``group`` in place (collective), compressed with error feedback
@@ -71,13 +83,13 @@ class WeightAverager:
         """Set the weights to the anchor (after an outer optimizer moved it); with ``keep`` > 0 to the mix
         ``keep * x + (1 - keep) * anchor`` instead (streaming DiLoCo's merge of a sync that ran while
         training went on)."""
-        weights = self.weights.gather() if keep else [flat for _, flat in self.weights.groups]
-        for flat, anchor in zip(weights, self.anchors):
-            if keep:
-                flat.mul_(keep).add_(anchor, alpha=1.0 - keep)
-            else:
-                flat.copy_(anchor)
-        self.weights.scatter()
+        with torch.no_grad():  # per parameter, from the anchor's slice: no flat copy of the weights
+            for g, (group, _) in enumerate(self.weights.groups):
+                o = 0
+                for p in group:
+                    a = self.anchors[g][o:o + p.numel()].view_as(p)
+                    p.mul_(keep).add_(a, alpha=1.0 - keep) if keep else p.copy_(a)
+                    o += p.numel()
 
     def snapshot(self) -> None:
         """Copy the current weights (call under the caller's lock if others may step meanwhile)."""
@@ -113,6 +125,26 @@ class WeightAverager:
         self.snapshot()
         self.reduce(group)
         self.apply(delta=False)
+
+    def start_sync(self, group) -> comm.PendingAllreduce:
+        """``average``/``reduce_change`` started (dense, no compressor): anchored, the change x - a
+        (``take_change``) into the work buffers, else the weights themselves, each read straight from the
+        parameters; then their allreduce is started (collective) and the caller may issue other collectives
+        before ``wait()``; then ``apply(delta=False)`` (not anchored), or the work buffers hold the mean
+        change (anchored). The same collective on the same values as ``reduce_change`` / ``snapshot`` +
+        ``reduce``, so the same bits. Several flat buffers (parameters of several dtypes): all but the last
+        are averaged before it returns."""
+        if self.compressor is not None:
+            raise ValueError("WeightAverager.start_sync: dense averaging only (a compressor is set)")
+        if self.anchored:
+            self.take_change()
+        else:
+            with torch.no_grad():
+                for x, w in self._slices(self.work):
+                    w.copy_(x)
+        for work in self.work[:-1]:
+            comm.allreduce(work, "avg", group=group)
+        return comm.allreduce_start(self.work[-1], "avg", group=group)
 
     def state_dict(self) -> dict:
         if not self.anchored:

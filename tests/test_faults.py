@@ -107,7 +107,7 @@ def _fail_on_call(fn, n, what):
 
 
 OWN = {  # label: (algorithm options, what fails on rank 1)
-    "local_sgd": ({"period": 2}, "averager.average"),  # its weight average, on the engine
+    "local_sgd": ({"period": 2}, "averager.start_sync"),  # its weight average, on the engine
     "decentralized": ({}, "_exact_deltas"),  # after its exchange, on the training thread
     "low_precision_decentralized": ({}, "_compressed_exchange"),  # on its exchange thread, before sending
     "async_model_average": ({"sync_interval_ms": 20}, "averager.reduce"),  # on its averaging thread
