@@ -322,6 +322,8 @@ def _torchft_installed():
     (CONV + "target: 0.9\nmax_steps: 10\nproject_time: true\ntiming_steps: 0\n", r"timing_steps must be an int >= 1, got 0"),
     (CONV + "target: 0.9\nmax_steps: 10\nproject_time: true\ntiming_warmup_steps: -1\n",
      r"timing_warmup_steps must be an int >= 0, got -1"),
+    (CONV + "target: 0.9\nmax_steps: 10\nproject_time: true\ntiming_repeats: 0\n", r"timing_repeats must be an int >= 1, got 0"),
+    (CONV + "target: 0.9\nmax_steps: 10\ntiming_repeats: 3\n", r"timing_repeats sets the timing runs of project_time: true"),
     ("mode: convergence\nmodels: [mlp_digits]\ntarget: 0.9\nmax_steps: 10\nproject_time: true\n"
      "algorithms: [ddp, {name: async_model_average, sync_interval_ms: 50}]\n",
      r"project_time cannot project async_model_average\(sync_interval_ms=50\): it is asynchronous"),
@@ -354,6 +356,7 @@ def test_project_time_defaults_and_warmup_is_allowed(tmp_path):
                  "algorithms: [ddp, {name: local_sgd, period: 4, warmup_steps: 6}]\n")
     cfg = load_benchmark_config(str(p))
     assert cfg["project_time"] is True and (cfg["timing_steps"], cfg["timing_warmup_steps"]) == (6, 2)
+    assert cfg["timing_repeats"] == 1
     assert cfg["skipped"] == []
     p.write_text(CONV + "target: 0.9\nmax_steps: 10\n")
     assert load_benchmark_config(str(p))["project_time"] is False
@@ -452,6 +455,46 @@ def test_projection_arithmetic_steps_from_loopback_times_measured_step():
     assert p["time_to_target_s"] == pytest.approx(10 * 1.0 + 10 * 0.2)
     assert p["train_s"] == pytest.approx(10 + 30 * 0.2) and p["step_s"] == pytest.approx(16 / 40)
     assert [c[1] for c in p["curve"]] == pytest.approx([0.0, 12.0, 16.0])
+
+
+def test_timing_repeats_project_at_the_median_of_each_repeats_figures():
+    import io
+
+    from bagua_lite.bench.report import combine_seeds, print_convergence_table, project_records, summarize_convergence
+    from bagua_lite.bench.runner import plan_cells
+    # diloco period 2, timed three times: per-cycle means 0.2 / 0.5 / 0.3 s/step (repeat 2 had a slow minute),
+    # link bytes per step 1e5 / 2e5 / 0.5e5
+    reps = [_timing("diloco", ts, 2, tx=[0, b] * 2) for ts, b in (([0.1, 0.3] * 2, 2e5), ([0.1, 0.9] * 2, 4e5),
+                                                                  ([0.2, 0.4] * 2, 1e5))]
+    for i, r in enumerate(reps):
+        r["repeat"] = i
+    (p,) = project_records([_conv("diloco", "diloco", 20)] + reps)
+    assert p["step_s"] == pytest.approx(0.3) and p["time_to_target_s"] == pytest.approx(20 * 0.3)
+    assert p["repeat_step_s"] == pytest.approx([0.2, 0.5, 0.3]) and p["timing_repeats"] == 3
+    assert p["bytes_per_step_wire"] == pytest.approx(1e5) and p["train_s"] == pytest.approx(40 * 0.3)
+    # pooling every cycle instead would give the median of 0.2, 0.2, 0.5, 0.5, 0.3, 0.3 = 0.3 here but not in
+    # general: two repeats of 0.2 and one of 1.0 (one cycle each) -> median 0.2 (a pooled mean would be 0.47)
+    reps = [_timing("ddp", [t], 1, name="ddp") for t in (0.2, 1.0, 0.2)]
+    (d,) = project_records([_conv("ddp", "ddp", 40)] + reps)
+    assert d["step_s"] == pytest.approx(0.2) and d["time_to_target_s"] == pytest.approx(8.0)
+    # a warm-up: each phase at the median of its own repeats (warm-up 1, 3, 2 -> 2; after 0.2, 0.1, 0.4 -> 0.2)
+    warm = [_timing("post", [0.2] * 4, 1, name="local_sgd", warmup_steps=10,
+                    phases={"warmup": {"times": [w] * 4, "cycle": 1}, "after": {"times": [a] * 4, "cycle": 1}})
+            for w, a in ((1.0, 0.2), (3.0, 0.1), (2.0, 0.4))]
+    (w,) = project_records([_conv("post", "local_sgd", 20)] + warm)
+    assert w["time_to_target_s"] == pytest.approx(10 * 2.0 + 10 * 0.2) and w["repeat_step_s"] == pytest.approx([0.2, 0.1, 0.4])
+    rows = combine_seeds(summarize_convergence([_conv("diloco", "diloco", 20)] + [
+        dict(r, repeat=i) for i, r in enumerate(_timing("diloco", [t, t], 2) for t in (0.3, 0.1, 0.2))]))
+    buf = io.StringIO()
+    print_convergence_table(rows, buf)
+    text = buf.getvalue()
+    assert "s/step measured at 100mbit over whole cycles of each algorithm (the median of 3 timing repeats)" in text
+    assert "each timing repeat's s/step, in the order they ran: diloco 0.3000 0.1000 0.2000" in text
+    # the progress plan counts every repeat's timing cells
+    cfg = {"mode": "convergence", "project_time": True, "timing_repeats": 3, "world_sizes": [2], "seeds": [0],
+           "models": ["gpt_small"], "algorithms": [{"label": "ddp"}, {"label": "diloco"}]}
+    plan = plan_cells(cfg, ["loopback", "100mbit"])
+    assert [c[0] for c in plan].count("train") == 2 and [c[4] for c in plan if c[0] == "timing"] == ["ddp", "diloco"] * 3
 
 
 def test_projected_table_says_so_and_figures_compare_with_each_baseline():

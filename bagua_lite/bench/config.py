@@ -50,6 +50,11 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
 ``timing_steps`` (with ``project_time``) measured steps per cell in a timing run, at least, rounded up to
                  whole cycles and at least two cycles (default 6).
 ``timing_warmup_steps`` (with ``project_time``) unmeasured steps before them (default 2).
+``timing_repeats`` (with ``project_time``) time the whole list of algorithms this many times in a row on
+                 each throttled network (default 1; 3: A B C A B C A B C), in the same processes; a row's
+                 s/step (and bytes per step) is the median over the repeats of each repeat's own figure
+                 (``report.project_records``), so a slow minute of a shared machine or an order effect
+                 weighs one repeat, not the projection; the row lists each repeat's s/step.
 The ``ddp_topk_hook``, ``ddp_gtopk_hook`` (option ``density``, default 0.001) and ``ddp_compressed_hook`` (option
 ``compression``, default minmax_uint8) baselines are DDP with ``bagua_lite.hooks``' hook of that name (the
 optimizer's SGD momentum acts on the averaged sparse gradient: no momentum correction under a hook).
@@ -83,7 +88,7 @@ MODES = ("throughput", "convergence")
 METRICS = ("accuracy", "loss")
 THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell", "repeats")
 CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
-                    "seeds", "project_time", "timing_steps", "timing_warmup_steps")
+                    "seeds", "project_time", "timing_steps", "timing_warmup_steps", "timing_repeats")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
                "timeout_s", "max_steps", "lr") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
 
@@ -125,7 +130,7 @@ def load_benchmark_config(path):
            "max_steps": None, "stragglers": ["none"], "floor_each_cell": False, "repeats": 1}
     if mode == "convergence":
         out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0,
-                   project_time=False, timing_steps=6, timing_warmup_steps=2)
+                   project_time=False, timing_steps=6, timing_warmup_steps=2, timing_repeats=1)
     out.update(cfg)
     if mode == "convergence":
         out["seeds"] = list(cfg.get("seeds", [out["seed"]]))
@@ -315,12 +320,13 @@ def _check_convergence(cfg):
         raise ValueError(f"benchmark config: stop_at_target must be true or false, got {cfg['stop_at_target']!r}")
     if not isinstance(cfg.get("project_time", False), bool):
         raise ValueError(f"benchmark config: project_time must be true or false, got {cfg['project_time']!r}")
-    for key in ("timing_steps", "timing_warmup_steps"):
+    for key in ("timing_steps", "timing_warmup_steps", "timing_repeats"):
         if key in cfg and not cfg.get("project_time", False):
             raise ValueError(f"benchmark config: {key} sets the timing runs of project_time: true; "
                              "without it the time to target is measured directly")
     number("timing_steps", cfg.get("timing_steps", 6), 1, integer=True)
     number("timing_warmup_steps", cfg.get("timing_warmup_steps", 2), 0, integer=True)
+    number("timing_repeats", cfg.get("timing_repeats", 1), 1, integer=True)
 
 
 def _label(name, options, optimizer="sgd"):

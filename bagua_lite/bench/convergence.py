@@ -147,7 +147,8 @@ def timing_worker(cfg, network, rank, world, emit):
     cycles of a periodic algorithm, at least two), over ``timing_steps`` steps after
     ``timing_warmup_steps``. An algorithm with a ``warmup_steps`` option > 0 is timed in both of its phases
     (the record's ``phases``: ``warmup`` and ``after``). Synthetic batches of the model's shape: what the batches hold does not change
-    a step's time. The steps to target come from the loopback run (``report.project_rows``)."""
+    a step's time. The steps to target come from the loopback run (``report.project_rows``). With
+    ``timing_repeats`` R the whole list runs R times in a row (A B C A B C), each record marked ``repeat``."""
     from .data import make_batches
     from .runner import _run_cell
 
@@ -157,7 +158,7 @@ def timing_worker(cfg, network, rank, world, emit):
         net0, spec = fresh_model(model_name)
         numel = sum(p.numel() for p in net0.parameters())
         batches = make_batches(spec, cfg["batch_size"], 8, rank)
-        for cell in cfg["algorithms"]:
+        for repeat, cell in [(r, c) for r in range(cfg.get("timing_repeats", 1)) for c in cfg["algorithms"]]:
             warm = cell["options"].get("warmup_steps", 0) if cell["name"] not in BASELINES else 0
             phases = {}
             if warm:
@@ -173,4 +174,4 @@ def timing_worker(cfg, network, rank, world, emit):
                   "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                   "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
                   "times": res["times"], "cycle": res["cycle"], "bytes": res["bytes"], "tx_bytes": res["tx_bytes"],
-                  "loss": res["loss"], "warmup_steps": warm, "phases": phases or None})
+                  "loss": res["loss"], "warmup_steps": warm, "phases": phases or None, "repeat": repeat})

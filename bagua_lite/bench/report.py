@@ -311,22 +311,36 @@ def project_records(records):
     mean, as in throughput mode): time to target = steps to target x s/step, each curve point's time =
     its step x s/step. Bytes per step are the timing run's (the link's counter; ours also counted). An
     algorithm with a warm-up (``warmup_steps``) was timed in both phases: its first steps count at the
-    warm-up's s/step, the rest at the s/step after it, and its s/step is the mean over the steps run."""
+    warm-up's s/step, the rest at the s/step after it, and its s/step is the mean over the steps run.
+    A cell timed several times (``timing_repeats``: records of the same network, P, model and label) counts
+    at the median over its repeats of each repeat's figures (per phase), listed in ``repeat_step_s``."""
     conv = [r for r in records if r["kind"] == "convergence" and r["network"] == "loopback"]
-    out = []
+    timed = {}
     for t in (r for r in records if r["kind"] == "timing"):
+        timed.setdefault((t["network"], t["world_size"], t["model"], t["label"]), []).append(t)
+    out = []
+    for same in timed.values():
+        t = same[0]
+
         def figures(m):
             cyc = m.get("cycle", 1)
             counted = cycle_median(m["bytes"], cyc) if m.get("bytes") and _counted(t["algorithm"]) else None
             return cycle_median(m["times"], cyc), cycle_median(m.get("tx_bytes") or [], cyc), counted
 
+        def over_repeats(phase=None):
+            """(s/step, wire bytes, counted bytes): each the median of the repeats' own (None if none has it)."""
+            each = [figures(r["phases"][phase] if phase else r) for r in same]
+            return tuple(_median_present([f[i] for f in each]) for i in range(3))
+
         warm = t.get("warmup_steps") or 0
         if warm and t.get("phases"):
             # an algorithm with a warm-up: its first ``warm`` steps at the warm-up's s/step and bytes, the
             # rest at those after it
-            (s_w, wire_w, cnt_w), (s_a, wire_a, cnt_a) = figures(t["phases"]["warmup"]), figures(t["phases"]["after"])
+            (s_w, wire_w, cnt_w), (s_a, wire_a, cnt_a) = over_repeats("warmup"), over_repeats("after")
+            each_s = [figures(r["phases"]["after"])[0] for r in same]
         else:
-            s_w, wire_w, cnt_w = s_a, wire_a, cnt_a = figures(t)
+            s_w, wire_w, cnt_w = s_a, wire_a, cnt_a = over_repeats()
+            each_s = [figures(r)[0] for r in same]
             warm = 0
 
         def seconds(n):
@@ -344,12 +358,19 @@ def project_records(records):
             out.append({**c, "network": t["network"], "projected": True, "projected_from": "loopback",
                         "loopback_step_s": c["step_s"], "step_s": seconds(n) / n if n else s_a,
                         "cycle": t.get("cycle", 1), "timing_steps": len(t["times"]),
+                        "timing_repeats": len(same), "repeat_step_s": each_s,
                         "warmup_step_s": s_w if warm else None, "after_warmup_step_s": s_a if warm else None,
                         "time_to_target_s": seconds(hit) if hit else None, "train_s": seconds(n),
                         "curve": [[st, seconds(st), m, loss] for st, _, m, loss in c["curve"]],
                         "bytes_per_step_wire": per_step(n, wire_w, wire_a),
                         "bytes_per_step_counted": per_step(n, cnt_w, cnt_a)})
     return out
+
+
+def _median_present(values):
+    """The median of the values that are not None; None if all are."""
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _bytes(c):
@@ -380,6 +401,7 @@ def summarize_convergence(records):
             "projection": (f"projected: steps from {c['projected_from']}, s/step measured at {c['network']}"
                            if c.get("projected") else None),
             "loopback_step_s": c.get("loopback_step_s"), "timing_steps": c.get("timing_steps"),
+            "timing_repeats": c.get("timing_repeats"), "repeat_step_s": c.get("repeat_step_s"),
             "bytes_per_step_wire": c.get("bytes_per_step_wire"),
             "bytes_per_step_counted": c.get("bytes_per_step_counted"), "bytes_per_step": _bytes(c),
             "curve": c["curve"],
@@ -464,8 +486,10 @@ def print_convergence_table(rows, out=sys.stdout):
               f"{target} (training wall time, evaluations excluded)"
               + (f"; medians over seeds {', '.join(map(str, seeds))}" if several else ""), file=out)
         if projected:
+            repeats = max(r.get("timing_repeats") or 1 for r in rs)
             print(f"PROJECTED: steps to target from the unthrottled (loopback) run, s/step measured at {network} "
-                  "over whole cycles of each algorithm; time to target = steps x s/step", file=out)
+                  "over whole cycles of each algorithm" + (f" (the median of {repeats} timing repeats)" if repeats > 1
+                                                           else "") + "; time to target = steps x s/step", file=out)
         show_tft = any(r["name"] == "torchft_diloco" for r in rs)
         show_bytes = any(r.get("bytes_per_step") is not None for r in rs)
         hdr = (f"{'algorithm':<40}{'time to target':>15}{'steps':>7}{'vs DDP':>8}"
@@ -486,6 +510,10 @@ def print_convergence_table(rows, out=sys.stdout):
             print(f"{r['algorithm'][:39]:<40}{t:>15}{n:>7}{v:>8}" + (f"{vt:>11}" if show_tft else "")
                   + f"{r['step_s']:>8.4f}" + (f"{_fmt_bytes(r.get('bytes_per_step')):>9}{fewer:>10}" if show_bytes else "")
                   + f"{r['final_metric']:>16.4f}{r['steps_run']:>10}{per_seed}", file=out)
+        if projected and repeats > 1:
+            print("each timing repeat's s/step, in the order they ran: " + "; ".join(
+                f"{r['algorithm']} " + " ".join(f"{v:.4f}" for v in r.get("repeat_step_s") or [])
+                for r in rs if r.get("repeat_step_s")), file=out)
     print("'-': the target was not reached within the budget. vs DDP (vs torchft): DDP's (torchft DiLoCo's) time "
           "to target over this row's. MB/step: bytes a rank sent per step (the emulated link's counter; on "
           "loopback bagua_lite's own, none for the baselines); x fewer B: DDP's bytes per step over this row's. "

@@ -315,7 +315,9 @@ def plan_cells(cfg, networks):
                 for P in cfg["world_sizes"]:
                     for seed in (cfg["seeds"] if kind == "train" else [None]):
                         for model in cfg["models"]:
-                            plan += [(kind, network, P, model, c["label"], seed) for c in cfg["algorithms"]]
+                            plan += [(kind, network, P, model, c["label"], seed) for _ in
+                                     range(1 if kind == "train" else cfg.get("timing_repeats", 1))
+                                     for c in cfg["algorithms"]]
         return plan
     for network in networks:
         for P in cfg["world_sizes"]:
