@@ -29,9 +29,9 @@ def _default_store():
 
 
 class FailFast:
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, key: str = None):
         self.rank = rank
-        self.key = f"bagua_lite/failed/{next(_models)}"
+        self.key = f"bagua_lite/failed/{next(_models)}" if key is None else key
         self.store = _default_store()
         self.failed = None  # set once this model's communication is known to be broken
         self._next_check = 0.0

@@ -35,6 +35,10 @@ Hooks, in the order of one training step:
 ``before_step()``          inside every ``optimizer.step()``, before the optimizer's own update (after the
                            closure, if one was passed, ran its forward and backward)
 ``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
+``regroup()``              only with ``fault_tolerant=True``, after a peer was lost: the model runs on a new
+                           process group (its ``process_group``, ``rank``, ``world_size``) and the round in
+                           flight was discarded; forget transient per-round state (the framework then asks
+                           ``bucket_ops`` again). Algorithms that support it set ``supports_membership_change``
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
 ``state_dict()`` / ``load_state_dict()``  checkpointed state that is not a list of tensors (counters, an
@@ -73,6 +77,9 @@ class Algorithm:
     name: str = "algorithm"
     #: ranks do not wait for each other every step (see the module docstring)
     asynchronous: bool = False
+    #: can carry on with the survivors when a peer is lost (``DistributedModel(..., fault_tolerant=True)``):
+    #: its per-rank state stays consistent when the group shrinks, and :meth:`regroup` forgets the rest
+    supports_membership_change: bool = False
 
     def __init__(self):
         self.step = 0
@@ -171,6 +178,11 @@ class Algorithm:
     def commit_round(self) -> None:
         """Every rank's gradient was finite: the round is kept (see the module docstring for who needs this;
         a discarded round needs no hook: ``register_state(..., rollback=True)`` state is put back)."""
+
+    def regroup(self) -> None:
+        """With ``fault_tolerant=True``: the model now runs on the survivors' new group and the round in
+        flight was discarded (``register_state(..., rollback=True)`` tensors already put back, buckets
+        zeroed). Forget what the discarded round left half-done; ``bucket_ops`` is asked again after this."""
 
     def close(self) -> None:
         """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""
