@@ -82,6 +82,18 @@ class ErrorFeedbackSparsifier(Algorithm):
     def close(self):
         self._correction.restore()
 
+    supports_membership_change = True
+
+    def regroup(self):
+        """After a lost peer: the residuals and momenta (the kept state, each rank's own) stay; the
+        discarded round's selection bounds and result positions go (the next step clears whole buckets)."""
+        for b in range(len(self._written)):
+            self.selection.reset(b)
+        self._written[:] = [None] * len(self._written)
+        self._round_written[:] = [None] * len(self._round_written)
+        self._correction.restore()
+        self._correction._committed = None
+
     def clear_result(self, flat, bucket_index):
         """Zero the bucket cheaply: only the entries the previous step's result wrote."""
         prev = self._written[bucket_index]

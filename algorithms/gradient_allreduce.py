@@ -70,6 +70,12 @@ class GradientAllReduce(Algorithm):
         g = new_group_like(model.process_group, leaders)
         self.inter = g if dist.get_rank() in leaders else None
 
+    @property
+    def supports_membership_change(self):
+        """Survivors carry on (fault_tolerant=True), flat only: the hierarchical groups assume whole nodes.
+        Error-feedback residuals are each rank's own and stay (put back to before the lost round)."""
+        return not self.hierarchical
+
     def _cast_allreduce(self):
         """fp16 without error feedback and not hierarchical: an allreduce of the half-precision bucket
         itself (summing in fp16 what was pre-scaled by 1/P, as torch's fp16_compress_hook), the same bytes

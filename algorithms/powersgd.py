@@ -92,6 +92,10 @@ class PowerSGD(Algorithm):
         self.register_state("residuals", self.residuals, rollback=True)
         self.register_state("qs", self.qs, rollback=True)
 
+    # Survivors carry on (fault_tolerant=True): residuals are each rank's own and the Q's are the same on every
+    # rank, both put back to before the lost round (register_state rollback), so both stay.
+    supports_membership_change = True
+
     def bucket_ops(self, bucket):
         def powersgd(flat, b=bucket.index):
             if self.step < self.warmup_steps:

@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _C, agreement, comm, runtime
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
+from .elastic import Controller
 from .algorithm import Algorithm, build
 from .bucket import Bucket, plan_buckets, plan_model_buckets
 
@@ -84,6 +85,25 @@ def _digest(obj) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
 
 
+def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
+    """``fault_tolerant=True``'s arguments, refused before any traffic (the same on every rank)."""
+    if not getattr(algorithm, "supports_membership_change", False):
+        raise ValueError(
+            f"DistributedModel: fault_tolerant=True supports the centralized synchronous algorithms only: "
+            f"gradient_allreduce (not hierarchical; any compression), topk, gtopk, powersgd; got "
+            f"{algorithm.name} ({algorithm!r}). Decentralized, local SGD, DiLoCo, asynchronous and auto are not "
+            f"supported yet")
+    if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= world_size:
+        raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
+                         f"got {min_workers!r}")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"DistributedModel: on_membership_change must be callable(old_world_size, "
+                        f"new_world_size), got {type(callback).__name__}")
+    if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window < 3600:
+        raise ValueError(f"DistributedModel: rejoin_window_s must be a number of seconds in (0, 3600), got "
+                         f"{window!r}")
+
+
 class DistributedModel(torch.nn.Module):
     """Wrap ``module`` and its ``optimizer`` for data-parallel training with a bagua_lite algorithm.
 
@@ -92,6 +112,17 @@ class DistributedModel(torch.nn.Module):
     pass the same algorithm options and bucket size and build the same model (checked: a mismatch names
     the differing rank). ``broadcast_buffers`` (default True, as DDP): rank 0's buffers are broadcast
     before every forward with gradients enabled (not for asynchronous algorithms).
+
+    ``fault_tolerant`` (default False; see :mod:`bagua_lite.elastic`): when a peer dies, the survivors
+    discard the step in flight, agree on the new membership through the rendezvous store, go on on a new
+    process group among themselves, and ``optimizer.step()`` of that step raises
+    :class:`bagua_lite.MembershipChanged` (catch it and go on with the next batch);
+    ``on_membership_change(old_world_size, new_world_size)`` is called first. Fewer than ``min_workers``
+    left: every survivor raises :class:`bagua_lite.MembershipError` (checkpoint then, and restart).
+    ``rejoin_window_s``: how long the survivors wait for each other to register before the membership is
+    closed (a survivor busy for longer when the peer fails is left out). For gradient_allreduce (flat,
+    any compression), topk, gtopk and powersgd; other algorithms are refused. The store must outlive
+    every worker (torchrun's agent store, or one hosted outside the workers).
 
     Example::
 
@@ -102,7 +133,9 @@ class DistributedModel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
-                 group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True):
+                 group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True,
+                 fault_tolerant: bool = False, min_workers: int = 1, on_membership_change=None,
+                 rejoin_window_s: float = 2.0):
         super().__init__()
         if isinstance(algorithm, str):
             from . import algorithms  # noqa: F401  (registers the built-ins)
@@ -133,6 +166,10 @@ class DistributedModel(torch.nn.Module):
         self.process_group = resolve_group(group, "DistributedModel")
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
+        if not isinstance(fault_tolerant, bool):
+            raise TypeError(f"DistributedModel: fault_tolerant must be True or False, got {fault_tolerant!r}")
+        if fault_tolerant:
+            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size)
 
         self.broadcast_buffers = bool(broadcast_buffers)
         self._check_same_config()
@@ -154,6 +191,12 @@ class DistributedModel(torch.nn.Module):
                 self._slot[p] = (b.index, j)
         self._engine = _C.Engine()
         self._failfast = FailFast(self.rank)
+        self._elastic = None  # fault_tolerant=True: the membership and the step to discard (bagua_lite.elastic)
+        if fault_tolerant:
+            if self._failfast.store is None:
+                raise ValueError("DistributedModel: fault_tolerant=True needs the rendezvous store of the default "
+                                 "process group (init it with a store, torchrun's or an init_method)")
+            self._elastic = Controller(self, min_workers, on_membership_change, rejoin_window_s)
         self._no_tensor = torch.empty(0)
         self._engine_abandoned = False
         self._nonfinite_error = None
@@ -226,7 +269,13 @@ class DistributedModel(torch.nn.Module):
         if self._sync_enabled and torch.is_grad_enabled():
             self._settle_skipped_step()
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
-            self._sync_buffers()
+            if self._elastic is None:
+                self._sync_buffers()
+            elif self._elastic.pending is None:
+                try:  # on the engine, so that a peer's failure is seen (fail fast) instead of waited for
+                    self.run_collective("broadcast_buffers", self._sync_buffers)
+                except (PeerFailedError, RuntimeError) as e:
+                    self._elastic.recover(e)  # this step is discarded: it runs locally, optimizer.step() raises
         self._algorithm_hook(self.algorithm.before_forward)
 
     @torch.compiler.disable
@@ -253,6 +302,8 @@ class DistributedModel(torch.nn.Module):
                     b.copy_(synced)
 
     def _on_output_grad(self, grad, node=None):
+        if self._elastic is not None and self._elastic.pending is not None:
+            return grad  # a discarded step (a peer was lost in its forward): nothing travels
         if self._sync_enabled and self.algorithm.sync_gradients() and self._accumulates(node):
             self._start_backward()
         return grad
@@ -349,6 +400,8 @@ class DistributedModel(torch.nn.Module):
 
     # ---- the scheduler -----------------------------------------------------------------------------------
     def _on_grad_ready(self, p):
+        if self._elastic is not None and self._elastic.pending is not None:
+            return  # a discarded step (a peer was lost in its forward): nothing travels
         if not self._sync_enabled:
             if not self._unsynced and self.algorithm.sync_gradients():
                 self._unsynced = True
@@ -378,14 +431,23 @@ class DistributedModel(torch.nn.Module):
             self.algorithm._begin_round()  # register_state(rollback=True): before any bucket op runs
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _gather_ints(self, values, group=None):
-        """Every rank's list of ints (one all_gather of len(values) int64 per rank), as a list per rank."""
+    def _gather_ints(self, values, group=None, on_engine=False):
+        """Every rank's list of ints (one all_gather of len(values) int64 per rank), as a list per rank.
+        ``on_engine``: called from an op on the engine thread (else, with fault_tolerant, it runs there)."""
         if self.world_size == 1:
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        pg = self.process_group if group is None else group
+        if self._elastic is not None and not on_engine:  # so that a peer's failure is seen, not waited for
+            try:
+                self.run_collective("step agreement", lambda: dist.all_gather_single(out, mine, group=pg))
+            except (PeerFailedError, RuntimeError) as e:
+                self._elastic.comm_error = e
+                raise
+            return out.view(self.world_size, len(values)).tolist()
         try:  # blocking: a peer that failed in this round's buckets never gets here (they fail fast)
-            dist.all_gather_single(out, mine, group=self.process_group if group is None else group)
+            dist.all_gather_single(out, mine, group=pg)
         except RuntimeError as e:
             self._failfast.announce(f"a step-control all_gather failed: {e}")
             raise
@@ -393,7 +455,8 @@ class DistributedModel(torch.nn.Module):
 
     def _step_count_check(self, _flat):
         """Before any bucket travels: do all ranks enter this round at the same step count?"""
-        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step])], "nothing was exchanged")
+        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], on_engine=True)],
+                          "nothing was exchanged")
 
     def _check_steps(self, steps, what):
         """Raise (``agreement.check``) unless every rank's step count in ``steps`` is the same."""
@@ -466,6 +529,8 @@ class DistributedModel(torch.nn.Module):
                 calls.append(1)
                 return loss
             kwargs = dict(kwargs, closure=evaluated)
+        if self._elastic is not None and self._elastic.pending is not None:
+            raise self._elastic.take_pending()  # the step in flight was discarded on every survivor
         self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None:
             raise FloatingPointError(self._nonfinite_error)
@@ -519,8 +584,13 @@ class DistributedModel(torch.nn.Module):
             self._ready[b.index] = len(b.params)
         self._submit_ready()
         t0 = time.perf_counter()
+        lost = None
         try:
             self._wait_engine()
+        except (PeerFailedError, RuntimeError) as e:
+            if self._elastic is None:
+                raise
+            lost = e
         finally:
             self.timings["backward_wait_s"] += time.perf_counter() - t0
             self._backward_active = False
@@ -528,11 +598,20 @@ class DistributedModel(torch.nn.Module):
             self._next_bucket = 0
             self._ready = [0] * len(self.buckets)
             self._marked = [[False] * len(b.params) for b in self.buckets]
+        if lost is not None:
+            self._elastic.recover(lost)  # discard this round, re-form the group (or raise)
+            return
         t0 = time.perf_counter()
         try:
             self._agree_after_round(unused)
+        except RuntimeError as e:
+            if self._elastic is None or e is not self._elastic.comm_error:
+                raise
+            lost = e
         finally:
             self.timings["agree_s"] += time.perf_counter() - t0
+        if lost is not None:
+            self._elastic.recover(lost)
 
     def _after_step(self):
         self._local_bad = None
@@ -557,7 +636,7 @@ class DistributedModel(torch.nn.Module):
         """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
         ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
         collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
-        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], group)], what)
+        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], group, on_engine=True)], what)
 
     def fail(self, what: str) -> None:
         """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a

@@ -1,0 +1,233 @@
+"""Survivors carry on (``fault_tolerant=True``): workers SIGKILLed mid-run, the others finish every step.
+
+Real processes (forked from tests/cluster.py's forkserver, which imported torch once), one gloo group over
+a TCPStore served by this test process, so the store outlives every worker. Each worker trains on its own
+data (by its global rank, the same in every run) and kills itself with SIGKILL at the top of its chosen
+step. Checked: the survivors finish all steps with exactly one step discarded per failure, their replicas
+are bit-identical after every step, and their final weights equal bit for bit a reference run in which the
+same survivors, at the new world size and in the same rank order, start from the state they had when the
+failure came (a per-rank snapshot) and train the steps after it.
+"""
+import datetime
+import hashlib
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite.algorithms import build
+from cluster import _context
+
+D_IN, HIDDEN, CLASSES = 12, 32, 5
+STEPS = 12
+TIMEOUT_S = 30  # the groups' timeout: abandoned collectives end by then; no test waits for it
+
+
+def _net(batchnorm=False):
+    torch.manual_seed(0)
+    norm = [torch.nn.BatchNorm1d(HIDDEN)] if batchnorm else []  # buffers: broadcast before every forward
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), *norm, torch.nn.ReLU(), torch.nn.Linear(HIDDEN, CLASSES))
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(rank * 7919 + step * 31 + 5)
+    x = torch.randn(16, D_IN, generator=g)
+    return x, (x[:, :CLASSES] * 3).argmax(1)
+
+
+def _flat(net):
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
+
+
+def _digest(net):
+    return hashlib.sha256(_flat(net).numpy().tobytes()).hexdigest()
+
+
+def _join(port, rank, world_size, prefix):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return store
+
+
+def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchnorm=False):
+    """A fault-tolerant worker: rank ``rank`` of ``P``; ``kills``: {global rank: step it dies at}."""
+    store = _join(port, rank, P, "ft")
+    net = _net(batchnorm)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    changes = []
+    model = bagua_lite.DistributedModel(net, opt, build(algo, **options), bucket_size_mb=0.001,
+                                        fault_tolerant=True, min_workers=min_workers, rejoin_window_s=window,
+                                        on_membership_change=lambda old, new: changes.append((old, new)))
+    result = {"rank": rank, "digests": {}, "discarded": [], "next_step_at": [], "recoveries": [], "error": None}
+    try:
+        for i in range(STEPS):
+            if i in kills.values():  # everyone's state at the failure step: the reference starts from it
+                torch.save({"module": net.state_dict(), "optimizer": opt.state_dict(),
+                            "algorithm": model.algorithm_state_dict()}, os.path.join(out, f"snap{i}_{rank}.pt"))
+            if kills.get(rank) == i:
+                store.set(f"killed_at/{i}", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = _batch(rank, i)
+            try:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+            except bagua_lite.MembershipChanged as e:
+                result["discarded"].append((i, e.old_world_size, e.new_world_size, model.rank))
+                result["recoveries"].append(model._elastic.last_recovery)
+            else:
+                result["digests"][i] = _digest(net)
+                if len(result["next_step_at"]) < len(result["discarded"]):
+                    result["next_step_at"].append((i, time.time()))
+            opt.zero_grad()
+    except bagua_lite.MembershipError as e:
+        result["error"] = (str(e), time.time())
+    result.update(weights=_flat(net), steps=model.algorithm.step, world=model.world_size, changes=changes)
+    torch.save(result, os.path.join(out, f"result_{rank}.pt"))
+    model.close()
+
+
+def _reference(rank, P, port, out, algo, options, members, start, batchnorm):
+    """The same survivors without the dead ranks: new rank ``rank`` is global rank ``members[rank]``, from
+    its snapshot at step ``start``, training steps ``start + 1 ..`` on its own data at world size P."""
+    _join(port, rank, P, "ref")
+    me = members[rank]
+    net = _net(batchnorm)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model = bagua_lite.DistributedModel(net, opt, build(algo, **options), bucket_size_mb=0.001)
+    snap = torch.load(os.path.join(out, f"snap{start}_{me}.pt"), weights_only=False)
+    net.load_state_dict(snap["module"])
+    opt.load_state_dict(snap["optimizer"])
+    model.load_algorithm_state_dict(snap["algorithm"])
+    for i in range(start + 1, STEPS):
+        x, y = _batch(me, i)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save({"weights": _flat(net)}, os.path.join(out, f"reference_{me}.pt"))
+    model.close()
+
+
+def _launch(P, fn, *args, deadline_s=60):
+    """Start P processes running fn(rank, P, port, *args) against a TCPStore served here; wait for all of
+    them (a SIGKILLed one too); return their exit codes. No process outlives this call."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    ctx = _context()
+    procs = [ctx.Process(target=fn, args=(r, P, store.port) + args, daemon=True) for r in range(P)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline_s
+    for p in procs:
+        p.join(timeout=max(0.1, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in hung:
+        procs[r].kill()
+        procs[r].join()
+    assert not hung, f"{fn.__name__}: rank(s) {hung} still running after {deadline_s} s (a hang)"
+    codes = [p.exitcode for p in procs]
+    return store, codes
+
+
+CASES = [  # (algorithm, options, P, {global rank: step it is killed at}, BatchNorm buffers)
+    ("gradient_allreduce", {}, 4, {2: 4}, False),
+    ("gradient_allreduce", {}, 4, {0: 5}, True),  # the buffers' source dies: found in the forward's broadcast
+    ("gradient_allreduce", {"compression": "sign"}, 5, {4: 3, 1: 7}, False),  # error feedback, two kills
+    ("topk", {"density": 0.1}, 4, {1: 5}, False),
+    ("gtopk", {"density": 0.1}, 5, {3: 4, 0: 8}, False),  # rank 0 dies too; P 5 -> 4 -> 3
+    ("powersgd", {"rank": 2, "warmup_steps": 2}, 4, {0: 6}, False),  # step checked before the buckets
+]
+
+
+@pytest.mark.parametrize("algo,options,P,kills,batchnorm", CASES,
+                         ids=[f"{a}{'-' + '-'.join(map(str, o.values())) if o else ''}-P{P}-kill{len(k)}"
+                              f"{'-batchnorm' if bn else ''}" for a, o, P, k, bn in CASES])
+def test_survivors_carry_on_bit_identical_to_a_run_without_the_dead(algo, options, P, kills, batchnorm):
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    store, codes = _launch(P, _train, out, algo, options, kills, 1, 2.0, batchnorm)
+    dead = sorted(kills)
+    survivors = [r for r in range(P) if r not in kills]
+    assert [codes[r] for r in dead] == [-signal.SIGKILL] * len(dead), codes
+    assert [codes[r] for r in survivors] == [0] * len(survivors), codes
+    results = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+    kill_steps = sorted(kills.values())
+    worlds = [P - n for n in range(len(kills) + 1)]
+    for r, res in results.items():
+        assert res["error"] is None, res["error"]
+        # exactly the failure steps were discarded, each one once; every other step completed
+        assert [d[0] for d in res["discarded"]] == kill_steps, res["discarded"]
+        assert [(d[1], d[2]) for d in res["discarded"]] == list(zip(worlds, worlds[1:]))
+        assert res["changes"] == list(zip(worlds, worlds[1:]))
+        assert sorted(res["digests"]) == [i for i in range(STEPS) if i not in kill_steps]
+        assert res["steps"] == STEPS - len(kills) and res["world"] == P - len(kills)
+        assert res["discarded"][-1][3] == survivors.index(r)  # the new rank: order of the global ranks
+    first = results[survivors[0]]
+    for r in survivors[1:]:  # replicas bit-identical after every step, before and after each change
+        assert results[r]["digests"] == first["digests"], f"rank {r} differs from rank {survivors[0]}"
+    for n, k in enumerate(kill_steps):
+        killed_at = float(store.get(f"killed_at/{k}"))
+        resumed = max(dict(results[r]["next_step_at"])[k + 1] for r in survivors)
+        rec = [results[r]["recoveries"][n] for r in survivors]
+        print(f"\n{algo} {options} P={P}: failure {n + 1} at step {k}: {resumed - killed_at:.2f} s from the kill to "
+              f"every survivor's next completed step; detected after {max(x['started_at'] for x in rec) - killed_at:.2f} s "
+              f"(last survivor), membership agreed in {max(x['membership_s'] for x in rec):.2f} s, new group and "
+              f"checks {max(x['regroup_s'] for x in rec):.3f} s; steps lost beyond the discarded one: 0")
+    # the strong check: the same survivors, without the dead, from the state at the last failure
+    start = kill_steps[-1]
+    _, ref_codes = _launch(len(survivors), _reference, out, algo, options, survivors, start, batchnorm)
+    assert ref_codes == [0] * len(survivors), ref_codes
+    for r in survivors:
+        ref = torch.load(os.path.join(out, f"reference_{r}.pt"), weights_only=False)["weights"]
+        assert torch.equal(results[r]["weights"], ref), \
+            f"rank {r}: max |diff| {(results[r]['weights'] - ref).abs().max().item()}"
+
+
+def test_fewer_than_min_workers_raises_on_every_survivor():
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    store, codes = _launch(4, _train, out, "gradient_allreduce", {}, {1: 3}, 4, 2.0)
+    assert codes == [0, -signal.SIGKILL, 0, 0], codes
+    killed_at = float(store.get("killed_at/3"))
+    for r in (0, 2, 3):
+        res = torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False)
+        assert res["error"] is not None, f"rank {r} carried on below min_workers"
+        msg, when = res["error"]
+        assert "only 3 worker(s) left" in msg and "min_workers=4" in msg and "checkpoint" in msg, msg
+        assert res["steps"] == 3 and sorted(res["digests"]) == [0, 1, 2]  # nothing of step 3 applied
+        print(f"\nrank {r}: MembershipError {when - killed_at:.2f} s after the kill")
+
+
+def _refusals(rank, P, port, out):
+    _join(port, rank, P, "refuse")
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    errors = {}
+    for name, options in (("decentralized", {}), ("local_sgd", {}), ("async_model_average", {}),
+                          ("gradient_allreduce", {"hierarchical": True}), ("qadam", {})):
+        try:
+            bagua_lite.DistributedModel(net, opt, build(name, **options), fault_tolerant=True).close()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    model = bagua_lite.DistributedModel(net, opt, "gradient_allreduce")  # the default: no membership state
+    errors["default_has_no_controller"] = model._elastic is None
+    model.close()
+    torch.save(errors, os.path.join(out, "refusals.pt"))
+
+
+def test_other_algorithms_are_refused_with_fault_tolerant():
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    _, codes = _launch(1, _refusals, out)
+    assert codes == [0]
+    errors = torch.load(os.path.join(out, "refusals.pt"), weights_only=False)
+    assert errors.pop("default_has_no_controller") is True
+    for name, msg in errors.items():
+        assert msg is not None, f"{name} was accepted with fault_tolerant=True"
+        assert "gradient_allreduce" in msg and "topk, gtopk, powersgd" in msg and name in msg, msg
