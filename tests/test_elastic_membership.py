@@ -1,7 +1,8 @@
 """Survivors carry on (``fault_tolerant=True``): workers SIGKILLed mid-run, the others finish every step.
 
-Real processes (forked from tests/cluster.py's forkserver, which imported torch once), one gloo group over
-a TCPStore served by this test process, so the store outlives every worker. Each worker trains on its own
+Real processes (forked from tests/cluster.py's forkserver, which imported torch once), each joining with
+``bagua_lite.init_process_group()`` as a client of a TCPStore served by this test process, so the store
+outlives every worker (not torchrun: its agent tears down every worker when one fails). Each worker trains on its own
 data (by its global rank, the same in every run) and kills itself with SIGKILL at the top of its chosen
 step. Checked: the survivors finish all steps with exactly one step discarded per failure, their replicas
 are bit-identical after every step, and their final weights equal bit for bit a reference run in which the
@@ -49,18 +50,21 @@ def _digest(net):
     return hashlib.sha256(_flat(net).numpy().tobytes()).hexdigest()
 
 
-def _join(port, rank, world_size, prefix):
+def _join(port, rank, world_size):
+    """Each worker started on its own against a store served elsewhere (here: by the test), as a per-worker
+    launch does: the environment torchrun would set, every worker a client of the store
+    (TORCHELASTIC_USE_AGENT_STORE), and bagua_lite.init_process_group()."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    return store
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
+    bagua_lite.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
 def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchnorm=False):
     """A fault-tolerant worker: rank ``rank`` of ``P``; ``kills``: {global rank: step it dies at}."""
-    store = _join(port, rank, P, "ft")
+    store = _join(port, rank, P)
     net = _net(batchnorm)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     changes = []
@@ -98,7 +102,7 @@ def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchn
 def _reference(rank, P, port, out, algo, options, members, start, batchnorm):
     """The same survivors without the dead ranks: new rank ``rank`` is global rank ``members[rank]``, from
     its snapshot at step ``start``, training steps ``start + 1 ..`` on its own data at world size P."""
-    _join(port, rank, P, "ref")
+    _join(port, rank, P)
     me = members[rank]
     net = _net(batchnorm)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
@@ -204,8 +208,51 @@ def test_fewer_than_min_workers_raises_on_every_survivor():
         print(f"\nrank {r}: MembershipError {when - killed_at:.2f} s after the kill")
 
 
+@bagua_lite.algorithms.register("ft_fails_on_rank1_test")
+class FailsOnRank1(type(build("gradient_allreduce"))):
+    """Dense averaging whose bucket op raises on rank 1 at step 2 (a bug, not a lost worker)."""
+
+    def bucket_ops(self, bucket):
+        def average_or_fail(flat):
+            if self.model.rank == 1 and self.step == 2:
+                raise ValueError("a deliberate failure in bucket op average_or_fail")
+            bagua_lite.comm.allreduce(flat, "sum", group=self.process_group)
+        return [average_or_fail]
+
+
+def _bug(rank, P, port, out):
+    _join(port, rank, P)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    model = bagua_lite.DistributedModel(net, opt, build("ft_fails_on_rank1_test"), bucket_size_mb=0.001,
+                                        fault_tolerant=True)
+    error = None
+    try:
+        for i in range(STEPS):
+            x, y = _batch(rank, i)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001
+        error = (type(e).__name__, str(e), model.algorithm.step)
+    torch.save(error, os.path.join(out, f"bug_{rank}.pt"))
+
+
+def test_a_failure_with_every_worker_alive_raises_on_every_rank():
+    """Not a lost worker (every member registers again at once): no membership change, no endless
+    discarding: every rank raises, naming the op's error."""
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    _, codes = _launch(4, _bug, out)
+    assert codes == [0] * 4, codes
+    for r in range(4):
+        error = torch.load(os.path.join(out, f"bug_{r}.pt"), weights_only=False)
+        assert error is not None and error[0] == "RuntimeError", (r, error)
+        assert "every member is still there" in error[1] and error[2] == 2, (r, error)
+    assert "deliberate failure" in torch.load(os.path.join(out, "bug_1.pt"), weights_only=False)[1]
+
+
 def _refusals(rank, P, port, out):
-    _join(port, rank, P, "refuse")
+    _join(port, rank, P)
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     errors = {}
