@@ -50,7 +50,7 @@ def _digest(net):
     return hashlib.sha256(_flat(net).numpy().tobytes()).hexdigest()
 
 
-def _join(port, rank, world_size):
+def _join(port, rank, world_size, timeout_s=TIMEOUT_S):
     """Each worker started on its own against a store served elsewhere (here: by the test), as a per-worker
     launch does: the environment torchrun would set, every worker a client of the store
     (TORCHELASTIC_USE_AGENT_STORE), and bagua_lite.init_process_group()."""
@@ -58,13 +58,15 @@ def _join(port, rank, world_size):
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       TORCHELASTIC_USE_AGENT_STORE="True")
-    bagua_lite.init_process_group("gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    bagua_lite.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=TIMEOUT_S))
 
 
-def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchnorm=False):
-    """A fault-tolerant worker: rank ``rank`` of ``P``; ``kills``: {global rank: step it dies at}."""
-    store = _join(port, rank, P)
+def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchnorm=False, how=signal.SIGKILL,
+           timeout_s=TIMEOUT_S):
+    """A fault-tolerant worker: rank ``rank`` of ``P``; ``kills``: {global rank: step it sends itself ``how``
+    at (SIGKILL, or SIGSTOP: stopped, not dead)}."""
+    store = _join(port, rank, P, timeout_s)
     net = _net(batchnorm)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     changes = []
@@ -79,7 +81,7 @@ def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchn
                             "algorithm": model.algorithm_state_dict()}, os.path.join(out, f"snap{i}_{rank}.pt"))
             if kills.get(rank) == i:
                 store.set(f"killed_at/{i}", repr(time.time()))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), how)
             x, y = _batch(rank, i)
             try:
                 F.cross_entropy(model(x), y).backward()
@@ -120,9 +122,10 @@ def _reference(rank, P, port, out, algo, options, members, start, batchnorm):
     model.close()
 
 
-def _launch(P, fn, *args, deadline_s=60):
+def _launch(P, fn, *args, deadline_s=60, stopped=()):
     """Start P processes running fn(rank, P, port, *args) against a TCPStore served here; wait for all of
-    them (a SIGKILLed one too); return their exit codes. No process outlives this call."""
+    them (a SIGKILLed one too; the ranks in ``stopped`` are SIGKILLed once the others ended); return their
+    exit codes. No process outlives this call."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=TIMEOUT_S))
     ctx = _context()
@@ -130,8 +133,12 @@ def _launch(P, fn, *args, deadline_s=60):
     for p in procs:
         p.start()
     end = time.monotonic() + deadline_s
-    for p in procs:
-        p.join(timeout=max(0.1, end - time.monotonic()))
+    for r, p in enumerate(procs):
+        if r not in stopped:
+            p.join(timeout=max(0.1, end - time.monotonic()))
+    for r in stopped:
+        procs[r].kill()
+        procs[r].join()
     hung = [r for r, p in enumerate(procs) if p.is_alive()]
     for r in hung:
         procs[r].kill()
@@ -180,8 +187,9 @@ def test_survivors_carry_on_bit_identical_to_a_run_without_the_dead(algo, option
         killed_at = float(store.get(f"killed_at/{k}"))
         resumed = max(dict(results[r]["next_step_at"])[k + 1] for r in survivors)
         rec = [results[r]["recoveries"][n] for r in survivors]
+        detected = max(x["started_at"] for x in rec) - killed_at
         print(f"\n{algo} {options} P={P}: failure {n + 1} at step {k}: {resumed - killed_at:.2f} s from the kill to "
-              f"every survivor's next completed step; detected after {max(x['started_at'] for x in rec) - killed_at:.2f} s "
+              f"every survivor's next completed step; detected after {detected:.2f} s "
               f"(last survivor), membership agreed in {max(x['membership_s'] for x in rec):.2f} s, new group and "
               f"checks {max(x['regroup_s'] for x in rec):.3f} s; steps lost beyond the discarded one: 0")
     # the strong check: the same survivors, without the dead, from the state at the last failure
@@ -192,6 +200,23 @@ def test_survivors_carry_on_bit_identical_to_a_run_without_the_dead(algo, option
         ref = torch.load(os.path.join(out, f"reference_{r}.pt"), weights_only=False)["weights"]
         assert torch.equal(results[r]["weights"], ref), \
             f"rank {r}: max |diff| {(results[r]['weights'] - ref).abs().max().item()}"
+
+
+def test_a_stopped_worker_is_left_out_after_the_group_timeout():
+    """SIGSTOP: the worker is not dead, its connections stay open, so gloo raises on its peers only at the
+    group's timeout (5 s here); then the survivors carry on without it, bit-identical among themselves."""
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    store, codes = _launch(4, _train, out, "gtopk", {"density": 0.1}, {2: 4}, 1, 2.0, False, signal.SIGSTOP, 5,
+                           stopped=(2,))
+    assert codes == [0, 0, -signal.SIGKILL, 0], codes
+    results = [torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 3)]
+    for res in results:
+        assert res["error"] is None and [d[:3] for d in res["discarded"]] == [(4, 4, 3)], res["discarded"]
+        assert res["digests"] == results[0]["digests"] and res["steps"] == STEPS - 1
+    killed_at = float(store.get("killed_at/4"))
+    resumed = max(dict(res["next_step_at"])[5] for res in results)
+    print(f"\nSIGSTOP at step 4: {resumed - killed_at:.2f} s from the stop to every survivor's next completed step "
+          f"(group timeout 5 s, rejoin window 2 s)")
 
 
 def test_fewer_than_min_workers_raises_on_every_survivor():
