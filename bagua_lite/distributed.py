@@ -121,8 +121,9 @@ class DistributedModel(torch.nn.Module):
     left: every survivor raises :class:`bagua_lite.MembershipError` (checkpoint then, and restart).
     ``rejoin_window_s``: how long the survivors wait for each other to register before the membership is
     closed (a survivor busy for longer when the peer fails is left out). For gradient_allreduce (flat,
-    any compression), topk, gtopk and powersgd; other algorithms are refused. The store must outlive
-    every worker (torchrun's agent store, or one hosted outside the workers).
+    any compression), topk, gtopk and powersgd; other algorithms are refused. The rendezvous store must
+    outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
+    down when one fails: docs/fault_tolerance.md).
 
     Example::
 

@@ -30,9 +30,10 @@ every survivor, in whatever call of the step it learns it (forward, backward):
    stays its own: the global rank, ``torch.distributed.get_rank()``, does not change).
 
 Fewer than ``min_workers`` left: every survivor raises :class:`MembershipError` instead (save a checkpoint
-from the last good state you kept, and restart). The store must outlive any worker: torchrun's agent store
-(``bagua_lite.init_process_group``), or a TCPStore/FileStore hosted outside the workers; a store hosted by
-a worker (``MASTER_ADDR`` pointing at rank 0's own TCPStore server) dies with it, and then nothing can agree.
+from the last good state you kept, and restart). The store must outlive any worker: a TCPStore/FileStore
+served outside the workers (each worker a client: ``TORCHELASTIC_USE_AGENT_STORE=True`` with
+``bagua_lite.init_process_group``); a store hosted by a worker (plain ``env://``: rank 0 serves it) dies with
+it, and then nothing can agree. Not under torchrun: its agent tears every worker down when one fails.
 """
 import time
 
