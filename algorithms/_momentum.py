@@ -135,8 +135,10 @@ class MomentumCorrection:
             for p, _ in self._hidden:
                 p.grad = None
 
-    def restore(self):
-        """After the step (or a step that raised): ``.grad`` and the param groups read as the user set them."""
+    def restore(self, forget: bool = False):
+        """After the step (or a step that raised): ``.grad`` and the param groups read as the user set them
+        (``forget``: the kept round's sparse step goes too, as after a lost peer)."""
+        self._committed = None if forget else self._committed
         for p, g in self._hidden:
             p.grad = g
         self._hidden = []

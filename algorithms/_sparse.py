@@ -9,11 +9,10 @@ Per bucket and step (flat gradient g of n elements, k = density * n):
     aggregate(V, I, acc, g)      (the subclass: how the selection travels; writes the average into g
                                   and removes what was sent from acc, which becomes the residual)
 
-The parts: the memory (residual, u, and their working copies for a round that may be discarded) is
-``_feedback``'s; which entries (the density schedule, segments, a top-k that reads only the blocks of 64
-that can hold it) ``_selection``'s; momentum correction (DGC's; on by default with ``torch.optim.SGD``
-momentum: the optimizer's own suspended in its step, which applies the sparse update at the k entries
-written) ``_momentum``'s.
+The parts: the memory (residual, u, their working copies for a round that may be discarded): ``_feedback``;
+which entries (density schedule, segments, a top-k reading only the blocks of 64 that can hold it):
+``_selection``; momentum correction (DGC's, the default with SGD momentum: the optimizer's own suspended in
+its step, which applies the sparse update at the k entries written): ``_momentum``.
 """
 from typing import List, Sequence
 
@@ -48,9 +47,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         """(message triple, local seconds after the selection) of exchanging k (value, index) pairs."""
         raise NotImplementedError
 
-    @property
-    def step_dependent_wire(self):
-        return bool(self.warmup_densities) and self.warmup_steps_per_stage > 0  # k follows the schedule
+    step_dependent_wire = property(lambda self: bool(self.warmup_densities) and self.warmup_steps_per_stage > 0)
 
     def current_density(self) -> float:
         return self.selection.density_at(self.step)
@@ -69,8 +66,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         # Between steps a bucket holds only the last kept sparse result; remembering where it wrote lets
         # the next step clear k entries instead of the whole bucket (None: clear everything). A round's
         # entries count once it is kept (commit_round): a discarded round's buckets are NaN everywhere.
-        self._written = [None] * len(model.buckets)
-        self._round_written = [None] * len(model.buckets)
+        self._written, self._round_written = [None] * len(model.buckets), [None] * len(model.buckets)
 
     # ---- the optimizer's side: momentum correction and the sparse step (_momentum) ------------------------
     def before_step(self):
@@ -89,10 +85,8 @@ class ErrorFeedbackSparsifier(Algorithm):
         discarded round's selection bounds and result positions go (the next step clears whole buckets)."""
         for b in range(len(self._written)):
             self.selection.reset(b)
-        self._written[:] = [None] * len(self._written)
-        self._round_written[:] = [None] * len(self._round_written)
-        self._correction.restore()
-        self._correction._committed = None
+        self._written[:] = self._round_written[:] = [None] * len(self._written)
+        self._correction.restore(forget=True)
 
     def clear_result(self, flat, bucket_index):
         """Zero the bucket cheaply: only the entries the previous step's result wrote."""
