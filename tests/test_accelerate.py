@@ -65,15 +65,20 @@ def _accelerator(**kwargs):
     return acc
 
 
+def _wrapped(name, options):
+    """The same net, SGD and bagua_lite model on every call (the Accelerate loop and its plain reference)."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return net, opt, bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+
+
 # ---- training: Accelerate's loop == the plain loop, bit for bit ------------------------------------------------
 def _r_train(rank, world, name, options):
     _env(rank)
     ds = _dataset(STEPS * P)
     # under Accelerate
     acc = _accelerator()
-    net = _net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    net, opt, model = _wrapped(name, options)
     opt, loader = acc.prepare(opt, torch.utils.data.DataLoader(ds, batch_size=B))
     seen = []
     for x, y in loader:
@@ -86,9 +91,7 @@ def _r_train(rank, world, name, options):
     steps_acc = model.algorithm.step
     model.close()
     # the plain bagua_lite loop on this rank's batches (Accelerate hands batch i to rank i % P)
-    net2 = _net()
-    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
-    model2 = bagua_lite.DistributedModel(net2, opt2, build(name, **options), bucket_size_mb=0.001)
+    net2, opt2, model2 = _wrapped(name, options)
     mine = [ds[(s * P + rank) * B:(s * P + rank + 1) * B] for s in range(STEPS)]
     for x, y in mine:
         F.cross_entropy(model2(x), y).backward()
@@ -125,9 +128,7 @@ def _r_accumulate(rank, world, name, options, gas):
     _env(rank)
     ds = _dataset(STEPS * gas * P)
     acc = _accelerator(gradient_accumulation_steps=gas)
-    net = _net()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    net, opt, model = _wrapped(name, options)
     opt, loader = acc.prepare(opt, torch.utils.data.DataLoader(ds, batch_size=B))
     synced = []
     for x, y in loader:
@@ -138,9 +139,7 @@ def _r_accumulate(rank, world, name, options, gas):
             opt.zero_grad()
     steps_acc = model.algorithm.step
     model.close()
-    net2 = _net()
-    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1, momentum=0.9)
-    model2 = bagua_lite.DistributedModel(net2, opt2, build(name, **options), bucket_size_mb=0.001)
+    net2, opt2, model2 = _wrapped(name, options)
     for s in range(STEPS):
         for m in range(gas):
             i = (s * gas + m) * P + rank
