@@ -90,7 +90,7 @@ class PowerSGD(Algorithm):
             self.wires.append(wire)
         # checkpointed, and put back by the framework if a round is discarded (some rank's gradient non-finite)
         self.register_state("residuals", self.residuals, rollback=True)
-        self.register_state("qs", self.qs, rollback=True)
+        self.register_state("qs", self.qs, rollback=True, shared=True)
 
     # Survivors carry on (fault_tolerant=True): residuals are each rank's own and the Q's are the same on every
     # rank, both put back to before the lost round (register_state rollback), so both stay.

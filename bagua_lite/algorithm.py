@@ -87,6 +87,7 @@ class Algorithm:
         #: buckets whose incoming gradient held inf/NaN on this rank in the current round
         self.nonfinite_buckets = set()
         self._kept = {}  # register_state: name -> (tensors, their backups or None)
+        self._shared = set()  # register_state(shared=True): the same on every rank (a joiner copies it)
 
     def __init_subclass__(cls, **kwargs):
         """Record the options of every instance, however it is made (``build(...)`` or ``GTopK(...)``), so
@@ -188,17 +189,24 @@ class Algorithm:
         """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""
 
     # ---- state -------------------------------------------------------------------------------------------
-    def register_state(self, name: str, tensors: List[torch.Tensor], rollback: bool = False) -> None:
+    def register_state(self, name: str, tensors: List[torch.Tensor], rollback: bool = False,
+                       shared: bool = False) -> None:
         """Declare per-rank state (error-feedback residuals, momenta) that the framework keeps for you: it
         is in ``state_dict()`` and restored by ``load_state_dict()`` (so checkpoints resume it bit for bit),
         and with ``rollback=True`` it is copied before every synchronised round and copied back when the
-        round is discarded (some rank's gradient was non-finite), into buffers allocated once."""
+        round is discarded (some rank's gradient was non-finite), into buffers allocated once.
+        ``shared=True``: the same on every rank (PowerSGD's Q's), so a worker joining a fault-tolerant job
+        copies it from a peer; per-rank state (the default) starts as ``init`` left it on a joiner."""
         if not isinstance(name, str) or not name or name == "step":
             raise ValueError(f"{self.name}: register_state needs a name other than 'step', got {name!r}")
         tensors = list(tensors)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError(f"{self.name}: register_state({name!r}) takes a list of tensors")
         self._kept[name] = (tensors, [torch.empty_like(t) for t in tensors] if rollback else None)
+        if shared:
+            self._shared.add(name)
+        else:
+            self._shared.discard(name)
 
     def _begin_round(self) -> None:
         for tensors, backups in self._kept.values():
@@ -218,6 +226,17 @@ class Algorithm:
         for name, (tensors, _) in self._kept.items():
             state[name] = [t.clone() for t in tensors]
         return state
+
+    def shared_state_dict(self) -> dict:
+        """What a worker joining a fault-tolerant job takes from a peer: the step count and the state
+        registered with ``shared=True``."""
+        return {"step": self.step, **{n: self._kept[n][0] for n in sorted(self._shared)}}
+
+    def load_shared_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        for name in sorted(self._shared):
+            for t, s in zip(self._kept[name][0], state[name]):
+                t.copy_(s)
 
     def load_state_dict(self, state: dict) -> None:
         """The step count and every :meth:`register_state` tensor, checked before anything is copied."""

@@ -36,7 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import _C, agreement, comm, runtime
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
-from .elastic import Controller
+from . import elastic
 from .algorithm import Algorithm, build
 from .bucket import Bucket, plan_buckets, plan_model_buckets
 
@@ -85,6 +85,12 @@ def _digest(obj) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
 
 
+def _joining_store():
+    """The rendezvous store if this process joins a running fault-tolerant job, else None."""
+    from . import launch
+    return launch._JOIN.get("store")
+
+
 def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
     """``fault_tolerant=True``'s arguments, refused before any traffic (the same on every rank)."""
     if not getattr(algorithm, "supports_membership_change", False):
@@ -93,7 +99,8 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
             f"gradient_allreduce (not hierarchical; any compression), topk, gtopk, powersgd; got "
             f"{algorithm.name} ({algorithm!r}). Decentralized, local SGD, DiLoCo, asynchronous and auto are not "
             f"supported yet")
-    if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= world_size:
+    top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
+    if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
         raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
                          f"got {min_workers!r}")
     if callback is not None and not callable(callback):
@@ -164,6 +171,20 @@ class DistributedModel(torch.nn.Module):
         self.optimizer = optimizer
         self.algorithm = algorithm
         self.bucket_size_mb = float(bucket_size_mb)
+        membership = None  # a joiner's: it waits here to be admitted into the running job
+        joining = _joining_store()
+        if joining is not None:
+            if fault_tolerant is not True or group is not None:
+                raise RuntimeError(
+                    "DistributedModel: this process joins a running fault-tolerant job (bagua_lite.init_process_group"
+                    "() found it in the store and made no process group): build the model with fault_tolerant=True "
+                    "and no group=, as the job's other workers did")
+            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, None)
+            membership = elastic.wait_for_admission(joining, rejoin_window_s)
+            from . import launch
+            elastic.reform(joining, membership.generation, membership.members, membership.me,
+                           *launch._JOIN["group"])
+            broadcast_parameters = True  # the members send theirs (DistributedModel._admit)
         self.process_group = resolve_group(group, "DistributedModel")
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
@@ -197,7 +218,7 @@ class DistributedModel(torch.nn.Module):
             if self._failfast.store is None:
                 raise ValueError("DistributedModel: fault_tolerant=True needs the rendezvous store of the default "
                                  "process group (init it with a store, torchrun's or an init_method)")
-            self._elastic = Controller(self, min_workers, on_membership_change, rejoin_window_s)
+            self._elastic = elastic.Controller(self, min_workers, on_membership_change, rejoin_window_s, membership)
         self._no_tensor = torch.empty(0)
         self._engine_abandoned = False
         self._nonfinite_error = None
@@ -223,6 +244,28 @@ class DistributedModel(torch.nn.Module):
         _LIVE.add(self)
         self.algorithm = algorithm
         self._install(algorithm)
+        if membership is not None:
+            self._admit(joining=True)
+            from . import launch
+            launch._JOIN.clear()
+            if on_membership_change is not None:
+                on_membership_change(len(membership.read(membership.generation - 1)), self.world_size)
+
+    def _admit(self, joining: bool):
+        """Fault tolerance, a joiner admitted (generation just formed): what a joiner's constructor sends
+        and receives, mirrored on every member (the config check, rank 0's parameters and buffers, then the
+        optimizer's state and the algorithm's shared state, which a joiner loads)."""
+        if not joining:
+            self._check_same_config()
+            with torch.no_grad():
+                for t in list(self.module.parameters()) + list(self.module.buffers()):
+                    comm.broadcast(t.data, 0, self.process_group)
+        state = {"optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.shared_state_dict()} \
+            if self.rank == 0 else None
+        state = elastic.broadcast_state(state, self.process_group)
+        if joining:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.algorithm.load_shared_state_dict(state["algorithm"])
 
     def _install(self, algorithm):
         algorithm.model = self
@@ -482,7 +525,11 @@ class DistributedModel(torch.nn.Module):
         words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // _BITS] &= ~(1 << (i % _BITS))
-        rows = self._gather_ints([min(bad) if bad else -1, self.algorithm.step] + words)
+        extra = [] if self._elastic is None else [self._elastic.joiners_waiting()]
+        rows = self._gather_ints([min(bad) if bad else -1, self.algorithm.step] + extra + words)
+        if extra and any(row[2] for row in rows):
+            self._elastic.grow_after_step = True  # on every member alike: admit after this step
+        rows = [row[:2] + row[2 + len(extra):] for row in rows]
         firsts = [row[0] for row in rows]
         msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
         if msg:
@@ -619,6 +666,8 @@ class DistributedModel(torch.nn.Module):
         self._unsynced = False
         self.algorithm.step += 1
         self._algorithm_hook(self.algorithm.after_step)
+        if self._elastic is not None and self._elastic.grow_after_step:
+            self._elastic.grow()  # a worker waits to join: the next step runs with it
 
     def _algorithm_hook(self, hook):
         """Run an algorithm hook that may communicate (its own exchanges, averages, threads' errors): if it

@@ -29,6 +29,23 @@ every survivor, in whatever call of the step it learns it (forward, backward):
    batch. ``rank`` and ``world_size`` of the model are the new ones from then on (a survivor's data
    stays its own: the global rank, ``torch.distributed.get_rank()``, does not change).
 
+Joining (a replacement, or one more worker): a process started later with the same environment and
+``bagua_lite.init_process_group()`` finds the job running (the store's ``bagua_lite/ft/open``) and makes no
+process group; its ``DistributedModel(..., fault_tolerant=True)`` registers and waits. Rank 0 of the
+members sees the registration at most every ``JOIN_POLL_S`` seconds and says so in the step agreement it
+sends anyway, so every member learns it at the same step; after that step's ``optimizer.step()`` every
+member and the joiners form the next generation's process group, and rank 0 sends the joiners the
+module's parameters and buffers, the optimizer's state (and param groups) and the algorithm's shared
+state (its step count, and what it registered with ``shared=True``); a joiner's per-rank state (residuals,
+momenta) starts empty, as a new worker's. No step is discarded; the members pause for the new group and
+that transfer only. ``on_membership_change(old, new)`` runs on every member and on the joiner.
+
+Every generation's process group is the default one (``torch.distributed.group.WORLD``), made afresh by
+``torch.distributed.init_process_group`` on a store prefix of its own (``bagua_lite/ft/gen<g>``) after
+the last one is destroyed (every other group of the process with it), so ``torch.distributed`` calls of
+the user's own see the members of the current generation: ``dist.get_rank()`` is the rank in it (members
+in the order they were first admitted), ``dist.get_world_size()`` its size.
+
 Fewer than ``min_workers`` left: every survivor raises :class:`MembershipError` instead (save a checkpoint
 from the last good state you kept, and restart). The store must outlive any worker: a TCPStore/FileStore
 served outside the workers (each worker a client: ``TORCHELASTIC_USE_AGENT_STORE=True`` with
@@ -37,7 +54,11 @@ it, and then nothing can agree. Not under torchrun: its agent tears every worker
 """
 import time
 
+import torch
 import torch.distributed as dist
+
+KEY = "bagua_lite/ft"   # the job's membership keys, on the store of generation 0 (one fault-tolerant model per job)
+JOIN_POLL_S = 0.5       # how often rank 0 looks for workers waiting to join
 
 
 class MembershipChanged(RuntimeError):
@@ -55,14 +76,37 @@ class MembershipError(RuntimeError):
 
 
 class Membership:
-    """The member set (global ranks) of one fault-tolerant model, one generation after another, agreed
-    through ``store`` under ``key``. Generation 0 is every rank of the model's first group."""
+    """The member set of the job, one generation after another, agreed through ``store`` under ``key``.
+    Members are ids: generation 0's ranks are 0..N-1, a joiner gets N, N+1, ... in the order it registered;
+    a generation's process group ranks its members in that order."""
 
     POLL_S = 0.02
 
-    def __init__(self, store, key, members, me, window_s):
+    def __init__(self, store, key, members, me, window_s, generation=0):
         self.store, self.key, self.members, self.me, self.window_s = store, key, list(members), me, window_s
-        self.generation = 0
+        self.generation = generation
+
+    def close(self, g, members):
+        """Propose ``members`` for generation ``g`` (the first proposal wins); return the winning list."""
+        self.store.compare_set(f"{self.key}/gen{g}/members", "", ",".join(map(str, members)))
+        return self.read(g)
+
+    def read(self, g):
+        return [int(r) for r in self.store.get(f"{self.key}/gen{g}/members").decode().split(",")]
+
+    def grown(self):
+        """Rank 0 of the members only: the next generation with every registered joiner not yet admitted
+        added, proposed and agreed; the joiners' registrations are then marked admitted."""
+        joined = int(self.store.add(f"{self.key}/joined", 0))
+        admitted = int(self.store.add(f"{self.key}/admitted", 0))
+        first = int(self.store.get(f"{self.key}/world0"))
+        members = self.close(self.generation + 1, self.members + [first + k for k in range(admitted, joined)])
+        self.store.add(f"{self.key}/admitted", joined - admitted)
+        return members
+
+    def waiting(self) -> int:
+        """How many registered joiners are not admitted yet (one store round trip each)."""
+        return int(self.store.add(f"{self.key}/joined", 0)) - int(self.store.add(f"{self.key}/admitted", 0))
 
     def next(self):
         """Register for the next generation and return its members (sorted global ranks). Every caller
@@ -79,7 +123,7 @@ class Membership:
                 self.store.compare_set(closed, "", ",".join(map(str, alive)))  # the first closer wins
                 break
             time.sleep(self.POLL_S)
-        members = [int(r) for r in self.store.get(closed).decode().split(",")]
+        members = self.read(g)
         self.generation = g
         if self.me not in members:
             raise MembershipError(
@@ -89,26 +133,124 @@ class Membership:
         return members
 
 
-def new_group(members, like):
-    """A process group over the global ranks ``members`` with ``like``'s backend and timeout, created by
-    the members only (the others may be dead)."""
-    from ._groups import group_timeout
-    return dist.new_group(members, timeout=group_timeout(like), backend=dist.get_backend(like),
-                          use_local_synchronization=True)
+def reform(base, g, members, me, backend, timeout):
+    """Generation ``g``'s default process group over ``members`` (ids; this process is ``me``): the old
+    default group (and every group made from it) destroyed, a new one made by the members only on a store
+    prefix of its own, with the old backend and timeout."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore(f"{KEY}/gen{g}", base), rank=members.index(me),
+                            world_size=len(members), timeout=timeout)
+    return dist.group.WORLD
+
+
+def broadcast_state(state, group, src=0):
+    """``state`` (nested dicts, lists and tuples of tensors and plain values) from rank ``src`` of ``group``
+    to every rank (the others pass None); the tensors travel as one flat buffer per dtype, the rest pickled."""
+    is_src = group.rank() == src
+    tensors = []
+
+    def strip(x):
+        if isinstance(x, torch.Tensor):
+            tensors.append(x.detach())
+            return ("__bagua_lite_tensor__", len(tensors) - 1, tuple(x.shape), x.dtype)
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(strip(v) for v in x)
+        return x
+    box = [strip(state) if is_src else None]
+    dist.broadcast_object_list(box, group_src=src, group=group)
+    skeleton, metas = box[0], []
+
+    def find(x):
+        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__bagua_lite_tensor__":
+            metas.append(x)
+        elif isinstance(x, dict):
+            for v in x.values():
+                find(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                find(v)
+    find(skeleton)
+    received = {}
+    for dtype in sorted({m[3] for m in metas}, key=str):
+        mine = [m for m in metas if m[3] == dtype]
+        sizes = [int(torch.Size(m[2]).numel()) for m in mine]
+        if is_src:
+            flat = torch.cat([tensors[m[1]].reshape(-1) for m in mine])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype)
+        dist.broadcast(flat, group_src=src, group=group)
+        for m, piece in zip(mine, flat.split(sizes)):
+            received[m[1]] = piece.view(m[2])
+
+    def fill(x):
+        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__bagua_lite_tensor__":
+            return received[x[1]]
+        if isinstance(x, dict):
+            return {k: fill(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(v) for v in x)
+        return x
+    return fill(skeleton)
+
+
+def wait_for_admission(base, window_s, poll_s=0.05):
+    """A joiner: register, then wait (as long as it takes: the members admit joiners at a step boundary)
+    for the generation that lists it; make its process group. Returns (Membership, member list)."""
+    me = int(base.get(f"{KEY}/world0")) + int(base.add(f"{KEY}/joined", 1)) - 1
+    g = int(base.get(f"{KEY}/generation")) + 1
+    while True:
+        if base.check([f"{KEY}/gen{g}/members"]):
+            membership = Membership(base, KEY, [], me, window_s, g)
+            members = membership.read(g)
+            if me in members:
+                membership.members = members
+                return membership
+            g += 1
+            continue
+        time.sleep(poll_s)
 
 
 class Controller:
     """What ``DistributedModel(..., fault_tolerant=True)`` adds to the model: the membership, the step to
     discard (``pending``, raised by ``optimizer.step()``) and :meth:`recover`."""
 
-    def __init__(self, model, min_workers, on_membership_change, rejoin_window_s):
+    def __init__(self, model, min_workers, on_membership_change, rejoin_window_s, membership=None):
+        from ._failfast import FailFast
+        from ._groups import group_timeout
+
         self.model = model
         self.min_workers = min_workers
         self.callback = on_membership_change
-        self.key = model._failfast.key.replace("/failed/", "/membership/")
-        self.membership = Membership(model._failfast.store, self.key,
-                                     dist.get_process_group_ranks(model.process_group), dist.get_rank(),
-                                     rejoin_window_s)
+        self.key = KEY
+        self.backend, self.timeout = dist.get_backend(model.process_group), group_timeout(model.process_group)
+        if membership is None:  # generation 0: every rank of the default group
+            from . import launch
+            base = launch._STORE.get("store", model._failfast.store)
+            if model.process_group is not dist.group.WORLD:
+                raise ValueError("DistributedModel: fault_tolerant=True runs on the default process group (each "
+                                 "generation's members make a new one); do not pass group=")
+            if base.check([f"{KEY}/open"]):
+                raise RuntimeError(
+                    "DistributedModel: a fault-tolerant model already runs in this job (the store has "
+                    f"{KEY}/open): one fault-tolerant model per job; a worker joining a running job calls "
+                    "bagua_lite.init_process_group() first, which then makes no group and lets this model join")
+            membership = Membership(base, KEY, range(model.world_size), model.rank, rejoin_window_s)
+            model._failfast = FailFast(model.rank, f"{KEY}/gen0/failed")
+            model.process_group.barrier().wait()  # every rank checked "open" before rank 0 sets it
+            if model.rank == 0:
+                base.set(f"{KEY}/gen0/members", ",".join(map(str, range(model.world_size))))
+                base.set(f"{KEY}/world0", str(model.world_size))
+                base.set(f"{KEY}/generation", "0")
+                base.set(f"{KEY}/open", "1")
+        else:  # a joiner, admitted
+            model._failfast = FailFast(model.rank, f"{KEY}/gen{membership.generation}/failed")
+        self.membership = membership
+        self.base = membership.store
+        self.next_join_check = 0.0
+        self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
         self.pending = None       # the MembershipChanged that this step's optimizer.step() raises
         self.comm_error = None    # the last exception of the model's own step-control collective
         #: the last recovery: when it started (time.time()), seconds to agree on the members, seconds to
@@ -148,10 +290,8 @@ class Controller:
                    f"with more workers")
             m._failfast.failed = msg
             raise MembershipError(msg) from error
-        pg = new_group(members, m.process_group)
-        m.process_group, m.rank, m.world_size = pg, pg.rank(), pg.size()
-        m._failfast = FailFast(m.rank, f"{self.key}/gen{g}/failed")
         self.membership.members = members
+        self._use(g, members)
         try:
             steps = [r[0] for r in m._gather_ints([step])]
         except Exception as e:  # noqa: BLE001 - another failure while re-forming
@@ -175,6 +315,55 @@ class Controller:
             f"global ranks {members}): the step was discarded on every survivor, nothing of it was applied, and "
             f"the model now runs on the survivors' group (this rank is {m.rank} of {m.world_size}). Go on with "
             f"the next batch", old_world, m.world_size, g)
+
+    def _use(self, g, members):
+        """Run the model on generation ``g``'s new default group (``members``)."""
+        from ._failfast import FailFast
+
+        m = self.model
+        pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout)
+        m.process_group, m.rank, m.world_size = pg, pg.rank(), pg.size()
+        m._failfast = FailFast(m.rank, f"{KEY}/gen{g}/failed")
+        if m.rank == 0:
+            self.base.set(f"{KEY}/generation", str(g))
+
+    def joiners_waiting(self) -> int:
+        """Rank 0: the number of workers waiting to join, looked up at most every JOIN_POLL_S (0 between);
+        the others: 0. Rides in the step agreement, so every member learns it at the same step."""
+        if self.model.rank != 0 or time.monotonic() < self.next_join_check:
+            return 0
+        self.next_join_check = time.monotonic() + JOIN_POLL_S
+        try:
+            return max(0, self.membership.waiting())
+        except Exception:  # noqa: BLE001 - the store will say more at the next membership change
+            return 0
+
+    def grow(self):
+        """After ``optimizer.step()`` of a step whose agreement said joiners wait: every member and the
+        joiners form the next generation and rank 0 sends the joiners the state (``DistributedModel._admit``)."""
+        t0 = time.monotonic()
+        m, alg, mb = self.model, self.model.algorithm, self.membership
+        self.grow_after_step = False
+        g = mb.generation + 1
+        old_world = m.world_size
+        members = mb.grown() if m.rank == 0 else None
+        if members is None:
+            deadline = time.monotonic() + self.timeout.total_seconds()
+            while not self.base.check([f"{KEY}/gen{g}/members"]):
+                if time.monotonic() > deadline:
+                    raise MembershipError(f"bagua_lite: rank 0 did not publish generation {g}'s members within "
+                                          f"the group timeout while admitting a joiner")
+                time.sleep(Membership.POLL_S)
+            members = mb.read(g)
+        mb.generation, mb.members = g, members
+        self._use(g, members)
+        alg.regroup()
+        for b in m.buckets:
+            b.ops = list(alg.bucket_ops(b))
+        m._admit(joining=False)
+        self.last_join = {"members": members, "seconds": time.monotonic() - t0}
+        if self.callback is not None:
+            self.callback(old_world, m.world_size)
 
     def take_pending(self):
         """The MembershipChanged to raise now (once), or None."""

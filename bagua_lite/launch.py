@@ -20,6 +20,12 @@ from torch.distributed.rendezvous import rendezvous
 from .ranks import get_local_rank
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: the store init_process_group gave the default group (fault tolerance keeps its membership there: the
+#: default group's own store is prefixed by its name, which a joiner cannot know)
+_STORE = {}
+#: set when this process joins a running fault-tolerant job: {"store": the job's store, "group": (backend,
+#: timeout)}; its DistributedModel(..., fault_tolerant=True) is admitted and makes the process group
+_JOIN = {}
 
 
 def init_process_group(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> None:
@@ -43,6 +49,14 @@ def init_process_group(backend: Optional[str] = None, timeout: Optional[timedelt
         torch.cuda.set_device(get_local_rank())
     kwargs = {} if timeout is None else {"timeout": timeout}
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if _JOIN:
+        raise RuntimeError("bagua_lite.init_process_group: this process already joins a running fault-tolerant "
+                           "job; build its DistributedModel(..., fault_tolerant=True)")
     store, rank, world_size = next(rendezvous("env://", **kwargs))
-    dist.init_process_group(backend, store=dist.PrefixStore(f"bagua_lite/attempt{attempt}", store), rank=rank,
-                            world_size=world_size, **kwargs)
+    store = dist.PrefixStore(f"bagua_lite/attempt{attempt}", store)
+    from .elastic import KEY
+    if store.check([f"{KEY}/open"]):  # a fault-tolerant job runs: join it (DistributedModel waits to be admitted)
+        _JOIN.update(store=store, group=(backend, timeout if timeout is not None else dist.default_pg_timeout))
+        return
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    _STORE["store"] = store
