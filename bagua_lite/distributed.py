@@ -257,13 +257,19 @@ class DistributedModel(torch.nn.Module):
         optimizer's state and the algorithm's shared state, which a joiner loads)."""
         if not joining:
             self._check_same_config()
+        self._share_state(0, receive=joining, weights=not joining)
+
+    def _share_state(self, src: int, receive: bool, weights: bool = True):
+        """Rank ``src``'s parameters and buffers (``weights``), optimizer state and algorithm shared state to
+        every rank (a collective); ``receive``: this rank loads the latter two (a joiner, a survivor behind)."""
+        if weights:
             with torch.no_grad():
                 for t in list(self.module.parameters()) + list(self.module.buffers()):
-                    comm.broadcast(t.data, 0, self.process_group)
+                    comm.broadcast(t.data, src, self.process_group)
         state = {"optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.shared_state_dict()} \
-            if self.rank == 0 else None
-        state = elastic.broadcast_state(state, self.process_group)
-        if joining:
+            if self.rank == src else None
+        state = elastic.broadcast_state(state, self.process_group, src)
+        if receive:
             self.optimizer.load_state_dict(state["optimizer"])
             self.algorithm.load_shared_state_dict(state["algorithm"])
 
@@ -659,7 +665,7 @@ class DistributedModel(torch.nn.Module):
         finally:
             self.timings["agree_s"] += time.perf_counter() - t0
         if lost is not None:
-            self._elastic.recover(lost)
+            self._elastic.recover(lost, buckets_done=True)
 
     def _after_step(self):
         self._local_bad = None

@@ -257,9 +257,10 @@ class Controller:
         #: build the new group and check it
         self.last_recovery = None
 
-    def recover(self, error):
+    def recover(self, error, buckets_done=False):
         """A collective of this step failed (``error``): discard the step, agree on the survivors, re-form
-        the group and rebuild what depends on it; or raise (see the module docstring)."""
+        the group and rebuild what depends on it; or raise (see the module docstring). ``buckets_done``:
+        it was the step agreement, after every bucket had completed here."""
         import torch
 
         from . import _C
@@ -271,6 +272,9 @@ class Controller:
         if not m._engine_abandoned:
             m._engine.abandon()  # its worker may sit in a collective with the dead peer
         m._engine, m._engine_abandoned = _C.Engine(), False
+        # The agreement can fail here after a peer got it whole (the dead worker's part reached some): those
+        # apply the round. Keep this rank's result of it, to take the round late if they did.
+        late = [[t.clone() for t in tensors] for tensors, _ in alg._kept.values()] if buckets_done else None
         alg._roll_back()
         with torch.no_grad():
             for b in m.buckets:
@@ -298,12 +302,24 @@ class Controller:
             m._failfast.failed = str(e)
             raise MembershipError(f"bagua_lite: a peer failed again while the survivors {members} re-formed "
                                   f"the group (generation {g}): {e}") from e
+        healed = ""
         if len(set(steps)) > 1:
-            msg = (f"bagua_lite: the survivors {members} had applied different steps when the peer failed "
-                   f"(step counts {steps}): the failure came while the last step was being agreed, and some "
-                   f"applied it; this slice of fault tolerance cannot heal that. Restart from a checkpoint")
-            m._failfast.failed = msg
-            raise MembershipError(msg)
+            lo, hi = min(steps), max(steps)
+            behind = step == lo
+            if hi - lo != 1 or (behind and late is None):
+                msg = (f"bagua_lite: the survivors {members} had applied different steps when the peer failed "
+                       f"(step counts {steps}) and this rank cannot take the missing one (this is rank {m.rank}). "
+                       f"Restart from a checkpoint")
+                m._failfast.failed = msg
+                raise MembershipError(msg)
+            if behind:  # the others applied the round whose agreement failed here: take it late
+                for (tensors, _), kept in zip(alg._kept.values(), late):
+                    for t, k in zip(tensors, kept):
+                        t.copy_(k)
+                alg.commit_round()
+            m._share_state(steps.index(hi), receive=behind)  # their weights, optimizer and step count
+            healed = (f"; the step agreement of step {lo} had reached some survivors only, who applied it: the "
+                      f"others took it from them")
         alg.regroup()
         for b in m.buckets:
             b.ops = list(alg.bucket_ops(b))
@@ -313,8 +329,8 @@ class Controller:
         self.pending = MembershipChanged(
             f"bagua_lite: a peer left at step {step} (world size {old_world} -> {m.world_size}, generation {g}, "
             f"global ranks {members}): the step was discarded on every survivor, nothing of it was applied, and "
-            f"the model now runs on the survivors' group (this rank is {m.rank} of {m.world_size}). Go on with "
-            f"the next batch", old_world, m.world_size, g)
+            f"the model now runs on the survivors' group (this rank is {m.rank} of {m.world_size}){healed}. Go on "
+            f"with the next batch", old_world, m.world_size, g)
 
     def _use(self, g, members):
         """Run the model on generation ``g``'s new default group (``members``)."""

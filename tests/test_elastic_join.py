@@ -194,3 +194,78 @@ def test_a_replacement_joins_and_trains_bit_identical_to_a_fresh_run(algo, optio
         assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
     print(f"\n{algo} {options} P={P}: replacement admitted at step {start} (killed at {kill_step}), "
           f"{joiner['admitted_s']:.2f} s from its start to admitted, {joiner['first_step_s']:.2f} s to its first step")
+
+
+def _split(rank, P, port, out, algo, options, k, victim, behind):
+    """The dead worker's part of step ``k``'s agreement reaches some survivors only: here it dies after its
+    backward (its part sent), and on rank ``behind`` the agreement is made to fail as if that part had not
+    arrived. The others apply step k and meet the failure in step k + 1."""
+    _join(port, rank, P)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model = bagua_lite.DistributedModel(net, opt, build(algo, **options), bucket_size_mb=0.001, fault_tolerant=True)
+    res = {"digests": {}, "discarded": [], "at_failure": None, "snap": None}
+    if rank == behind:
+        gather = model._gather_ints
+
+        def failing(values, *args, **kwargs):
+            rows = gather(values, *args, **kwargs)
+            if len(values) > 2 and model.algorithm.step == k and res["at_failure"] is None:
+                res["at_failure"] = model.algorithm_state_dict()  # this round's result, not yet committed
+                model._elastic.comm_error = e = RuntimeError("simulated: the step agreement failed here")
+                raise e
+            return rows
+        model._gather_ints = failing
+    while model.algorithm.step < STEPS:
+        s = model.algorithm.step
+        x, y = _batch(rank, s)
+        try:
+            F.cross_entropy(model(x), y).backward()
+            if rank == victim and s == k:
+                os.kill(os.getpid(), signal.SIGKILL)  # after its part of the agreement went out
+            opt.step()
+        except bagua_lite.MembershipChanged:
+            res["discarded"].append(s)
+            res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
+        else:
+            res["digests"][s] = _digest(net)
+        opt.zero_grad()
+    res.update(weights=_flat(net), me=rank)
+    torch.save(res, os.path.join(out, f"result_{rank}.pt"))
+    model.close()
+
+
+@pytest.mark.parametrize("algo,options", [("gradient_allreduce", {}), ("gradient_allreduce", {"compression": "sign"}),
+                                          ("gtopk", {"density": 0.1})], ids=["dense", "sign", "gtopk"])
+def test_a_step_agreed_by_some_survivors_only_is_taken_late_by_the_others(algo, options):
+    P, k, victim, behind = 4, 4, 3, 1
+    out = tempfile.mkdtemp(prefix="bagua_lite_split_")
+    _, codes = _run(P, _split, (out, algo, options, k, victim, behind), replace=None)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, codes
+    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 2)}
+    assert res[behind]["discarded"] == [k]            # its step k raised, and was then taken from the others
+    assert res[0]["discarded"] == res[2]["discarded"] == [k + 1]  # they had applied k: k + 1 was discarded
+    assert k in res[0]["digests"] and k not in res[behind]["digests"]
+    for r in (0, 1, 2):
+        assert res[r]["snap"][0] == k + 1, res[r]["snap"][0]
+        # a discarded step is retried at the same step count; the one taken late is not run here
+        assert sorted(res[r]["digests"]) == [s for s in range(STEPS) if r != behind or s != k]
+    for s in range(k + 1, STEPS):  # bit-identical from then on
+        assert len({res[r]["digests"][s] for r in (0, 1, 2)}) == 1, s
+    healed = res[behind]["snap"][1]
+    assert all(torch.equal(v, res[0]["snap"][1]["module"][n]) for n, v in healed["module"].items())
+    at_failure = res[behind]["at_failure"]  # register_state: the round's result; gtopk: the state before it
+    for name, tensors in at_failure.items():
+        if name != "step" and algo != "gtopk":  # the round's result was kept, not rolled back
+            assert all(torch.equal(a, b) for a, b in zip(tensors, healed["algorithm"][name])), name
+    if algo == "gtopk":  # the round's working copies were swapped in (committed late)
+        assert any(not torch.equal(a, b) for a, b in zip(at_failure["residuals"], healed["algorithm"]["residuals"]))
+    if algo == "gradient_allreduce" and options:  # error feedback: the result differs from the state before
+        before = res[0]["snap"][1]["algorithm"]["residuals"]
+        assert any(not torch.equal(a, b) for a, b in zip(healed["algorithm"]["residuals"], before))
+    # the strong check: a fresh run of the three from the state each had once healed
+    _, ref_codes = _run(3, _reference, (out, algo, options, [0, 1, 2], k + 1), replace=None)
+    assert set(ref_codes.values()) == {0}, ref_codes
+    for r in (0, 1, 2):
+        ref = torch.load(os.path.join(out, f"reference_{r}.pt"), weights_only=False)
+        assert torch.equal(res[r]["weights"], ref), f"rank {r}: max |diff| {(res[r]['weights'] - ref).abs().max().item()}"
