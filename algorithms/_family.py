@@ -49,6 +49,12 @@ def check_options(who, period, warmup_steps, fragments, overlap, alpha):
         raise ValueError(f"{who}: alpha (the local weights' share in a merge) must be in [0, 1), got {alpha!r}")
 
 
+def check_sync_chunks(who, sync_chunks):
+    if not isinstance(sync_chunks, int) or isinstance(sync_chunks, bool) or sync_chunks < 1:
+        raise ValueError(f"{who}: sync_chunks must be an int >= 1 (the number of pieces a dense sync's allreduce is "
+                         f"cut into, all posted at once; 1: one allreduce per flat buffer), got {sync_chunks!r}")
+
+
 def family_traffic(o, P, numels, elem_bytes=4, machine=None, rank=None):
     """After the warm-up: a sync of 1/F of the weights every period/F steps (F = ``fragments``) after the
     step (a ring allreduce of the weights or of their change, or the compressed allreduce of the change; an

@@ -12,6 +12,11 @@ Compressed:  every rank holds the same anchor a (the last average, identical eve
 An outer optimizer (DiLoCo) keeps the anchor for dense averaging too (``anchored=True``) and takes
 ``reduce_change()``, the average of the ranks' changes since the anchor, as the negated pseudo-gradient.
 
+``chunks`` k > 1: the dense averages of ``start_sync`` and ``reduce_work`` allreduce each flat buffer as k
+nearly equal contiguous pieces (views made once), all posted before any is waited for, so gloo's worker
+threads run two at a time (see ``comm.allreduce_start``). The pieces depend only on the buffer's length,
+so every rank cuts the same ones; on 3 or more ranks the sums' rounding is that of the pieces' rings.
+
 ``snapshot()``, ``reduce()`` and ``apply()`` are separate so an asynchronous caller can copy the weights
 under a lock, communicate without it, and then add ``average - snapshot`` to weights that went on
 training meanwhile (``apply(delta=True)``). A synchronous caller sets the weights to the average
@@ -27,11 +32,12 @@ from .bucket import FlatWeights
 
 class WeightAverager:
     def __init__(self, params: List[torch.nn.Parameter], compression="none", who: str = "averaging",
-                 anchored: bool = False):
+                 anchored: bool = False, chunks: int = 1):
         self.weights = FlatWeights(params)
         self.compressor = compressors.get_compressor(compression, who)
         self.snaps = [flat.clone() for flat in self.weights.gather()]  # x at snapshot()
         self.work = [torch.empty_like(f) for f in self.snaps]           # the average, once reduced
+        self.pieces = [comm.split_even(w, chunks) for w in self.work]   # views: a dense sync's allreduces
         self.anchored = anchored or self.compressor is not None
         if self.anchored:
             self.anchors = [f.clone() for f in self.snaps]  # identical on all ranks (weights start equal)
@@ -72,12 +78,17 @@ class WeightAverager:
         """Average the work buffers over ``group`` in place (collective), compressed with error feedback
         where a compressor is set. Touches only the work buffers and residuals, never the parameters, so
         it may run on another thread while training goes on."""
+        if self.compressor is None:
+            self._post(group).wait()
+            return self.work
         for i, work in enumerate(self.work):
-            if self.compressor is None:
-                comm.allreduce(work, "avg", group=group)
-            else:
-                comm.compressed_allreduce(work, self.compressor, group=group, residual=self.residuals[i])
+            comm.compressed_allreduce(work, self.compressor, group=group, residual=self.residuals[i])
         return self.work
+
+    def _post(self, group) -> "_Posted":
+        """The dense average of the work buffers started: every buffer's pieces posted, none waited for."""
+        return _Posted([comm.allreduce_start(work, "avg", group=group, pieces=pieces)
+                        for work, pieces in zip(self.work, self.pieces)])
 
     def load_anchor(self, keep: float = 0.0) -> None:
         """Set the weights to the anchor (after an outer optimizer moved it); with ``keep`` > 0 to the mix
@@ -126,14 +137,14 @@ class WeightAverager:
         self.reduce(group)
         self.apply(delta=False)
 
-    def start_sync(self, group) -> comm.PendingAllreduce:
+    def start_sync(self, group) -> "_Posted":
         """``average``/``reduce_change`` started (dense, no compressor): anchored, the change x - a
         (``take_change``) into the work buffers, else the weights themselves, each read straight from the
         parameters; then their allreduce is started (collective) and the caller may issue other collectives
         before ``wait()``; then ``apply(delta=False)`` (not anchored), or the work buffers hold the mean
-        change (anchored). The same collective on the same values as ``reduce_change`` / ``snapshot`` +
-        ``reduce``, so the same bits. Several flat buffers (parameters of several dtypes): all but the last
-        are averaged before it returns."""
+        change (anchored). The same collectives on the same values as ``reduce_change`` (anchored) or a copy
+        of the weights into the work buffers + ``reduce_work``, so the same bits. Several flat buffers
+        (parameters of several dtypes): all of them are posted before it returns."""
         if self.compressor is not None:
             raise ValueError("WeightAverager.start_sync: dense averaging only (a compressor is set)")
         if self.anchored:
@@ -142,9 +153,7 @@ class WeightAverager:
             with torch.no_grad():
                 for x, w in self._slices(self.work):
                     w.copy_(x)
-        for work in self.work[:-1]:
-            comm.allreduce(work, "avg", group=group)
-        return comm.allreduce_start(self.work[-1], "avg", group=group)
+        return self._post(group)
 
     def state_dict(self) -> dict:
         if not self.anchored:
@@ -156,3 +165,14 @@ class WeightAverager:
             return
         for dst, src in zip(self.anchors + self.residuals, state["anchors"] + state["residuals"]):
             dst.copy_(src)
+
+
+class _Posted:
+    """Allreduces of the work buffers in flight: ``wait()`` returns once every one holds its result."""
+
+    def __init__(self, pending):
+        self._pending = pending
+
+    def wait(self) -> None:
+        for p in self._pending:
+            p.wait()

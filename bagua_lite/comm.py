@@ -8,7 +8,8 @@ What travels, per call on P ranks (m = bytes of the tensor):
 
 ==========================  =====================================================================
 ``allreduce``               dense ring allreduce: 2(P-1)/P * m per rank (``allreduce_start``: the same,
-                            returning at once; its ``wait()`` returns when the result is in place)
+                            returning at once, optionally as one allreduce per piece of ``split_even``;
+                            its ``wait()`` returns when the result is in place)
 ``compressed_allreduce``    compressed chunks: all-to-all, then allgather of the reduced chunks
 ``sparse_allreduce``        one allgather of [k values][k int32 indices] per rank (TopKAllReduce)
 ``sparse_allgather``        the same exchange, returning every rank's pairs instead of their sum
@@ -24,7 +25,7 @@ Example::
     vals, idx = bagua_lite.kernels.topk(g, 10)
     vals, idx = bagua_lite.comm.gtopk_allreduce(vals, idx, k=10)   # same set on every rank
 """
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -33,8 +34,8 @@ import torch.distributed as dist
 from . import _C, compressors
 from ._groups import check_device, resolve_group
 
-__all__ = ["allreduce", "allreduce_start", "compressed_allreduce", "sparse_allreduce", "sparse_allgather", "gtopk_allreduce",
-           "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
+__all__ = ["allreduce", "allreduce_start", "split_even", "compressed_allreduce", "sparse_allreduce", "sparse_allgather",
+           "gtopk_allreduce", "broadcast", "bytes_sent", "messages_sent", "reset_traffic"]
 
 _OPS = ("avg", "sum")
 _COMPRESSIONS = ("fp16", "minmax_uint8")
@@ -58,23 +59,47 @@ def allreduce(t: torch.Tensor, op: str = "avg", group=None) -> torch.Tensor:
 class PendingAllreduce:
     """An :func:`allreduce_start` in flight: ``wait()`` returns ``t`` once it holds the result."""
 
-    def __init__(self, work, t, divide_by):
-        self._work, self._t, self._divide_by = work, t, divide_by
+    def __init__(self, works, t, divide_by):
+        self._works, self._t, self._divide_by = works, t, divide_by
 
     def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
+        if self._works is not None:
+            works, self._works = self._works, None
+            for work in works:
+                work.wait()
             if self._divide_by > 1:
                 self._t.div_(self._divide_by)  # as allreduce's op="avg": the sum, then one division
         return self._t
 
 
-def allreduce_start(t: torch.Tensor, op: str = "avg", group=None) -> PendingAllreduce:
+def split_even(t: torch.Tensor, chunks: int) -> List[torch.Tensor]:
+    """``t`` (contiguous) as ``min(chunks, t.numel())`` contiguous views that tile it in order, of nearly
+    equal length (the first ``numel % chunks`` one element longer). They depend on ``numel`` and ``chunks``
+    only, never on timing, so every rank cuts the same pieces. Views: nothing is copied or allocated
+    beyond the view objects; make them once and pass them to :func:`allreduce_start` at every call."""
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"bagua_lite.comm.split_even: chunks must be an int >= 1, got {chunks!r}")
+    if not t.is_contiguous():
+        raise ValueError("bagua_lite.comm.split_even: t must be contiguous")
+    flat, n = t.view(-1), t.numel()
+    k = max(1, min(chunks, n))
+    bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
+    return [flat[bounds[i]:bounds[i + 1]] for i in range(k)]
+
+
+def allreduce_start(t: torch.Tensor, op: str = "avg", group=None,
+                    pieces: Optional[Sequence[torch.Tensor]] = None) -> PendingAllreduce:
     """:func:`allreduce` started and not waited for: the same collective (the group's SUM, then a
     division for ``"avg"``), so the same bits in ``t``, while the caller works on. Call ``wait()`` on
     the result before reading or writing ``t``; other collectives may be issued meanwhile (the group
-    runs them in the order issued, the same on every rank)."""
+    runs them in the order issued, the same on every rank).
+
+    ``pieces``: views that tile ``t`` in order (:func:`split_even`); each gets an allreduce of its own, all
+    posted before this returns. gloo runs queued collectives on its worker threads (2 per device by
+    default), so two pieces travel at once and one's reduction overlaps the other's transfer. The ring
+    sums an element in an order set by where it falls in the buffer reduced, so on 3 or more ranks the
+    bits may differ from one allreduce of ``t`` (they are the same on every rank, and from call to call
+    for the same pieces). Counted as one allreduce of ``t``'s bytes, one ring's messages per piece."""
     _choice("allreduce_start", "op", op, _OPS)
     pg = resolve_group(group, "allreduce_start")
     check_device(t, pg, "allreduce_start")
@@ -82,12 +107,28 @@ def allreduce_start(t: torch.Tensor, op: str = "avg", group=None) -> PendingAllr
         raise ValueError("bagua_lite.comm.allreduce_start: t must be contiguous")
     if op == "avg" and not t.is_floating_point():
         raise ValueError(f"bagua_lite.comm.allreduce_start(op='avg'): t must be floating point, got {t.dtype}")
+    pieces = [t] if pieces is None else list(pieces)
+    if t.numel() > 0:
+        _check_tiling(t, pieces)
     P = pg.size()
     if P == 1 or t.numel() == 0:
         return PendingAllreduce(None, t, 1)
-    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=pg, async_op=True)
-    _C.count_sent(2 * (P - 1) * t.nbytes // P, 2 * (P - 1))  # what allreduce counts
-    return PendingAllreduce(work, t, P if op == "avg" else 1)
+    works = [dist.all_reduce(piece, op=dist.ReduceOp.SUM, group=pg, async_op=True) for piece in pieces]
+    _C.count_sent(2 * (P - 1) * t.nbytes // P, 2 * (P - 1) * len(pieces))  # what allreduce counts, per ring
+    return PendingAllreduce(works, t, P if op == "avg" else 1)
+
+
+def _check_tiling(t, pieces):
+    at, size = t.data_ptr(), t.element_size()
+    for piece in pieces:
+        if (not isinstance(piece, torch.Tensor) or piece.dtype != t.dtype or not piece.is_contiguous()
+                or piece.numel() == 0 or piece.data_ptr() != at):
+            raise ValueError("bagua_lite.comm.allreduce_start: pieces must be non-empty contiguous views that tile "
+                             "t in order (bagua_lite.comm.split_even(t, chunks))")
+        at += piece.numel() * size
+    if at != t.data_ptr() + t.numel() * size:
+        raise ValueError(f"bagua_lite.comm.allreduce_start: the pieces cover {(at - t.data_ptr()) // size} of t's "
+                         f"{t.numel()} elements; they must tile all of t")
 
 
 def compressed_allreduce(t: torch.Tensor, compression="fp16", group=None, op: str = "avg",

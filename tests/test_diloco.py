@@ -1,7 +1,10 @@
 """diloco: H inner steps, then an outer optimizer on the averaged pseudo-gradient (theta - mean x), on real
-gloo groups, against a reference written with plain torch and one allreduce; local_sgd as its outer SGD
+gloo groups, against a reference written with plain torch and one allreduce per piece of the flat change
+(``sync_chunks`` nearly equal contiguous pieces: on 3 or more ranks gloo's ring rounds each element's sum by
+where it falls in the buffer reduced, so the reference cuts the same pieces); local_sgd as its outer SGD
 at lr 1; checkpoints that resume the anchor and the outer momentum bit for bit."""
 import os
+import re
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ import bagua_lite
 from bagua_lite.algorithms import build
 
 H = 3
+CHUNKS = build("diloco").sync_chunks  # the default
 
 
 def _net():
@@ -32,9 +36,29 @@ def _flat(net):
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
-def _reference(rank, steps, outer):
-    """Plain torch: AdamW inner steps; every H steps the pseudo-gradient theta - mean x (one allreduce of
-    the flat change, as the algorithm's) and the outer optimizer's step on theta; every replica <- theta."""
+def _average_in_pieces(flat, chunks):
+    """``flat`` averaged over the ranks as the sync does: ``chunks`` contiguous pieces (``n % chunks`` of them
+    one element longer, first), each its own allreduce."""
+    n = flat.numel()
+    k = min(chunks, n)
+    bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        bagua_lite.comm.allreduce(flat[a:b], "avg")
+    return flat
+
+
+def _set_weights(net, flat):
+    with torch.no_grad():
+        o = 0
+        for p in net.parameters():
+            p.copy_(flat[o:o + p.numel()].view_as(p))
+            o += p.numel()
+
+
+def _reference(rank, steps, outer, chunks=CHUNKS):
+    """Plain torch: AdamW inner steps; every H steps the pseudo-gradient theta - mean x (the flat change
+    averaged in ``chunks`` pieces, as the algorithm's) and the outer optimizer's step on theta; every
+    replica <- theta."""
     net = _net()
     opt = _inner(net)
     theta = _flat(net).clone()
@@ -46,16 +70,26 @@ def _reference(rank, steps, outer):
         opt.step()
         opt.zero_grad()
         if (s + 1) % H == 0:
-            change = _flat(net) - theta
-            bagua_lite.comm.allreduce(change, "avg")
+            change = _average_in_pieces(_flat(net) - theta, chunks)
             theta.grad = change.neg_()
             outer_opt.step()
-            with torch.no_grad():
-                o = 0
-                for p in net.parameters():
-                    p.copy_(theta[o:o + p.numel()].view_as(p))
-                    o += p.numel()
+            _set_weights(net, theta)
     return _flat(net), outer_opt.state_dict()["state"]
+
+
+def _reference_local_sgd(rank, steps, chunks):
+    """Plain torch: AdamW inner steps; every H steps every replica <- the mean of the flat weights (averaged
+    in ``chunks`` pieces)."""
+    net = _net()
+    opt = _inner(net)
+    for s in range(steps):
+        x, y = _batch(rank, s)
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if (s + 1) % H == 0:
+            _set_weights(net, _average_in_pieces(_flat(net), chunks))
+    return _flat(net)
 
 
 def _train(rank, name, options, steps, ckpt=None, resume_at=None):
@@ -134,6 +168,75 @@ def _r_compressed(rank, P):
 def test_diloco_compressed_pseudo_gradient_keeps_replicas_identical(clusters):
     for r, (identical, residual) in enumerate(clusters.get(3).run(_r_compressed, timeout=120)):
         assert identical and residual > 0, (r, identical, residual)  # error feedback kept what uint8 lost
+
+
+def _r_chunked(rank, P, chunks):
+    steps = 3 * H + 1
+    outer = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    ref, _ = _reference(rank, steps, outer, chunks)
+    net = _net()
+    opt = _inner(net)
+    model = bagua_lite.DistributedModel(net, opt, build("diloco", period=H, outer_optimizer=outer, sync_chunks=chunks),
+                                        bucket_size_mb=0.001)
+    frag = model.algorithm.averager
+    made = [(id(p), p.data_ptr()) for pieces in frag.pieces for p in pieces]
+    for s in range(steps):
+        x, y = _batch(rank, s)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    views = all(p.untyped_storage().data_ptr() == w.untyped_storage().data_ptr() and p._base is not None
+                for w, pieces in zip(frag.work, frag.pieces) for p in pieces)
+    sizes = [[p.numel() for p in pieces] for pieces in frag.pieces]
+    kept = made == [(id(p), p.data_ptr()) for pieces in frag.pieces for p in pieces]  # made once, not per sync
+    model.close()
+    local, _ = _train(rank, "local_sgd", {"period": H, "sync_chunks": chunks}, steps)
+    local_ref = _reference_local_sgd(rank, steps, chunks)
+    return {"diloco": torch.equal(ref, _flat(net)), "local_sgd": torch.equal(local_ref, local),
+            "views": views, "kept": kept, "sizes": sizes}
+
+
+@pytest.mark.parametrize("P", (3, 5), ids=lambda p: f"P{p}")
+def test_sync_in_chunks_is_the_reference_in_the_same_pieces_bit_for_bit(clusters, P):
+    """diloco (its anchored change) and local_sgd (the weights themselves), each flat buffer cut into k pieces
+    posted at once, against plain torch averaging the same pieces one after another; k = 1 is one allreduce
+    of the whole buffer, the behaviour before the option. The pieces are views of the work buffer made once."""
+    n = sum(p.numel() for p in _net().parameters())  # 364
+    for chunks in sorted({1, 2, 7, CHUNKS}):
+        for r, o in enumerate(clusters.get(P).run(_r_chunked, chunks, timeout=120)):
+            assert o["diloco"] and o["local_sgd"], (P, chunks, r, o)
+            assert o["views"] and o["kept"], (P, chunks, r, o)
+            assert o["sizes"] == [[n // chunks + (i < n % chunks) for i in range(chunks)]], (P, chunks, o["sizes"])
+
+
+def test_split_even_cuts_nearly_equal_contiguous_views():
+    t = torch.arange(10.0)
+    for chunks, sizes in ((1, [10]), (3, [4, 3, 3]), (4, [3, 3, 2, 2]), (10, [1] * 10), (25, [1] * 10)):
+        pieces = bagua_lite.comm.split_even(t, chunks)
+        assert [p.numel() for p in pieces] == sizes, chunks
+        assert torch.equal(torch.cat(pieces), t) and all(p.data_ptr() >= t.data_ptr() for p in pieces)
+    pieces[3].fill_(-1)
+    assert t[3] == -1  # views: nothing copied
+
+
+@pytest.mark.parametrize("name", ("diloco", "local_sgd"))
+def test_bad_sync_chunks_are_named_before_any_traffic(name):
+    """No process group here: the check runs in the constructor, before any collective."""
+    cls = type(build(name))
+    for bad in (0, -1, 1.5, "x", True, None):
+        got = re.escape(repr(bad))
+        with pytest.raises(ValueError, match=rf"^{name}: sync_chunks must be an int >= 1 \(.*\), got {got}$"):
+            cls(sync_chunks=bad)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"^{name}: sync_chunks must be an int >= 1 .*, got {bad}$"):
+            build(name, sync_chunks=bad)
+    for bad in (1.5, "x", True):  # through build() (and configs), its option type check speaks first
+        got = re.escape(repr(bad))
+        with pytest.raises(TypeError, match=rf"option 'sync_chunks' must be of type int .*, got \w+ {got}$"):
+            build(name, sync_chunks=bad)
+    with pytest.raises(ValueError, match=rf"{name}: sync_chunks must be an int >= 1 .*, got 0"):
+        bagua_lite.parse_config(f"algorithm:\n  name: {name}\n  sync_chunks: 0\n")
+    assert build(name, sync_chunks=1).sync_chunks == 1
 
 
 def test_bad_outer_optimizer_is_named_before_any_traffic():

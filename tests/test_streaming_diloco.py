@@ -1,6 +1,8 @@
 """Streaming DiLoCo (diloco's fragments, overlap, alpha) on real gloo groups, against a reference written
 with plain torch: per-fragment anchors and outer optimizers, fragment f syncing at local steps s with
-(s - f*H//F) % H == 0, the sync's result merged tau steps later as alpha * x + (1 - alpha) * theta.
+(s - f*H//F) % H == 0 (its flat change averaged in diloco's ``sync_chunks`` pieces, one allreduce each: on
+3 or more ranks the ring's rounding depends on the piece), the result merged tau steps later as
+alpha * x + (1 - alpha) * theta.
 Checkpoints taken while a sync is in flight resume bit for bit; ranks out of step raise on every rank."""
 import sys
 
@@ -35,10 +37,23 @@ def _split(params, fragments):
 
 
 OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}
+CHUNKS = build("diloco").sync_chunks  # the default
+
+
+def _average_in_pieces(flat):
+    """As a dense sync averages a fragment: CHUNKS contiguous pieces (``n % CHUNKS`` of them one element
+    longer, first), each its own allreduce."""
+    n = flat.numel()
+    k = min(CHUNKS, n)
+    bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        bagua_lite.comm.allreduce(flat[a:b], "avg")
+    return flat
 
 
 def _reference(rank, steps, fragments, overlap, alpha, warmup=0):
-    """Plain torch and one allreduce per sync, computed when the sync starts, applied overlap steps later."""
+    """Plain torch and one average per sync (in pieces), computed when the sync starts, applied overlap steps
+    later."""
     net = _net()
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
     parts = _split(list(net.parameters()), fragments)
@@ -71,8 +86,7 @@ def _reference(rank, steps, fragments, overlap, alpha, warmup=0):
                     o += p.numel()
         for f in range(fragments):
             if local > 0 and (local - f * H // fragments) % H == 0:
-                change = _flat(parts[f]) - thetas[f]
-                bagua_lite.comm.allreduce(change, "avg")
+                change = _average_in_pieces(_flat(parts[f]) - thetas[f])
                 in_flight[f] = (local + overlap, change)
                 if not overlap:  # merged at once
                     in_flight[f] = (None, change)
