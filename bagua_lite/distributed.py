@@ -397,6 +397,8 @@ class DistributedModel(torch.nn.Module):
             h.remove()
         self._hooks = []
         _LIVE.discard(self)
+        if self._elastic is not None:
+            self._elastic.close()
         try:
             self.algorithm.close()
         finally:

@@ -202,6 +202,9 @@ def wait_for_admission(base, window_s, poll_s=0.05):
     me = int(base.get(f"{KEY}/world0")) + int(base.add(f"{KEY}/joined", 1)) - 1
     g = int(base.get(f"{KEY}/generation")) + 1
     while True:
+        if base.check([f"{KEY}/closed"]):
+            raise MembershipError(f"bagua_lite: the job this worker was to join has ended (its model was closed) "
+                                  f"before admitting it (joiner id {me})")
         if base.check([f"{KEY}/gen{g}/members"]):
             membership = Membership(base, KEY, [], me, window_s, g)
             members = membership.read(g)
@@ -380,6 +383,14 @@ class Controller:
         self.last_join = {"members": members, "seconds": time.monotonic() - t0}
         if self.callback is not None:
             self.callback(old_world, m.world_size)
+
+    def close(self):
+        """The model is closed: workers still waiting to join are told the job has ended (rank 0)."""
+        if self.model.rank == 0:
+            try:
+                self.base.set(f"{KEY}/closed", "1")
+            except Exception:  # noqa: BLE001 - the store may be gone with the job
+                pass
 
     def take_pending(self):
         """The MembershipChanged to raise now (once), or None."""

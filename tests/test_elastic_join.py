@@ -22,6 +22,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import bagua_lite
@@ -109,7 +110,6 @@ def _run(P, fn, args, replace=(), deadline_s=90):
     """P workers against a store served here; for each rank in ``replace``, a replacement started once the
     store says that rank was killed (a process manager's job). Returns (store, {name: exit code})."""
     import datetime
-    import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=30))
@@ -269,3 +269,31 @@ def test_a_step_agreed_by_some_survivors_only_is_taken_late_by_the_others(algo, 
     for r in (0, 1, 2):
         ref = torch.load(os.path.join(out, f"reference_{r}.pt"), weights_only=False)
         assert torch.equal(res[r]["weights"], ref), f"rank {r}: max |diff| {(res[r]['weights'] - ref).abs().max().item()}"
+
+
+def _late(rank, P, port, out, replacement):
+    """Train 3 steps; a replacement started after the job ended must not wait for ever."""
+    _join(port, rank, P)
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    try:
+        model = bagua_lite.DistributedModel(net, opt, "gradient_allreduce", fault_tolerant=True)
+    except bagua_lite.MembershipError as e:
+        torch.save(str(e), os.path.join(out, "late.pt"))
+        return
+    for s in range(3):
+        x, y = _batch(rank, s)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    if rank == 0:
+        dist.TCPStore("127.0.0.1", port, is_master=False).set("killed/0", "ended")  # _run starts the "replacement" now: after the job ended
+
+
+def test_a_worker_joining_a_job_that_ended_raises_instead_of_waiting():
+    out = tempfile.mkdtemp(prefix="bagua_lite_late_")
+    _, codes = _run(2, _late, (out,), replace=[0], deadline_s=60)
+    assert set(codes.values()) == {0}, codes
+    msg = torch.load(os.path.join(out, "late.pt"), weights_only=False)
+    assert "has ended" in msg and "before admitting it" in msg, msg
