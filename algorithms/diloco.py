@@ -51,9 +51,55 @@ class DiLoCo(Algorithm):
         self.outer_spec = dict(DEFAULT_OUTER if outer_optimizer is None else outer_optimizer)
         self._outer_class = outer_optimizer_class(self.outer_spec, self.name)
         self.outers, self.pending, self.background = [], {}, None
+        self._syncing = None  # the fragment whose in-step sync is running (fault tolerance: heal())
+        self._syncs = 0       # in-step syncs completed (fault tolerance: who has the last one's result)
 
     def plain_average(self) -> bool:
         return plain_average(self.outer_spec)
+
+    # ---- fault tolerance (DistributedModel(..., fault_tolerant=True)) ---------------------------------------
+    @property
+    def supports_membership_change(self):
+        """Dense syncs run in the step (no ``overlap``, no ``compression``: a background sync's group and
+        per-rank error feedback are not re-formed yet)."""
+        return self.overlap == 0 and self.compression in (None, "none")
+
+    #: a lost peer is healed by :meth:`heal` (the survivors may be at different steps: one that completed
+    #: the sync goes on with local steps until it looks at the store)
+    heals_itself = True
+
+    def heal(self):
+        """After a lost peer, on the survivors' new group (a collective). Each survivor is in one of three
+        places: it completed the last sync (its result holds every worker's pseudo-gradient, the lost one's
+        too), it is inside that sync (it failed there; its state is as before the sync: the sync writes the
+        weights, anchors and outer state only once its allreduce completed), or before it (it learned of the
+        loss from the store in its local steps). If any completed it, the others take its state: weights,
+        inner optimizer state, anchors, outer optimizer state, step count. Otherwise every survivor goes to
+        the sync's step count (one before it skips its remaining local steps: at most the round in
+        progress) and they finish the sync among themselves. A failure in the dense warm-up is the
+        synchronous case: nothing to heal."""
+        m, syncing = self.model, self._syncing
+        self._syncing = None
+        rows = m._gather_ints([self.step, self._syncs, -1 if syncing is None else syncing])
+        top_sync = max(r[1] for r in rows)
+        if any(r[1] != top_sync for r in rows):  # some completed the sync: the others take its result
+            done = [i for i, r in enumerate(rows) if r[1] == top_sync]
+            src = max(done, key=lambda i: (rows[i][0], -i))
+            m._share_state(src, receive=rows[m.rank][1] != top_sync)
+            return
+        self.step = max(r[0] for r in rows)
+        frag = max(r[2] for r in rows)
+        if frag >= 0 and self.step >= self.warmup_steps:
+            m.run_collective(f"{self.name} sync", lambda: self._sync_now(frag))
+            self._syncs += 1
+
+    def shared_state_dict(self):
+        """A joiner's (or a healed survivor's) state: the whole of it, the same on every rank after a sync."""
+        return {"step": self.step, "syncs": self._syncs, "state": self.state_dict()}
+
+    def load_shared_state_dict(self, state):
+        self.load_state_dict(state["state"])
+        self._syncs = int(state["syncs"])
 
     @property
     def cycle(self):
@@ -105,7 +151,9 @@ class DiLoCo(Algorithm):
                     self.frags[f].take_change()
                     self.pending[f] = self.background.submit(self.frags[f].reduce_work, self.step)
                 else:  # fails fast on a peer's failure
+                    self._syncing = f
                     self.model.run_collective(f"{self.name} sync", lambda f=f: self._sync_now(f))
+                    self._syncing, self._syncs = None, self._syncs + 1
 
     def _sync_now(self, f):
         # ranks sync when *their* step count says so: a rank a step ahead would pair its sync with the

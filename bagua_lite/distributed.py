@@ -95,10 +95,10 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
     """``fault_tolerant=True``'s arguments, refused before any traffic (the same on every rank)."""
     if not getattr(algorithm, "supports_membership_change", False):
         raise ValueError(
-            f"DistributedModel: fault_tolerant=True supports the centralized synchronous algorithms only: "
-            f"gradient_allreduce (not hierarchical; any compression), topk, gtopk, powersgd; got "
-            f"{algorithm.name} ({algorithm!r}). Decentralized, local SGD, DiLoCo, asynchronous and auto are not "
-            f"supported yet")
+            f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
+            f"compression), topk, gtopk, powersgd, and local_sgd/diloco with dense in-step syncs (no overlap, no "
+            f"compression); got {algorithm.name} ({algorithm!r}). Decentralized, asynchronous, qadam and auto "
+            f"are not supported yet")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
         raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
@@ -326,6 +326,12 @@ class DistributedModel(torch.nn.Module):
                     self.run_collective("broadcast_buffers", self._sync_buffers)
                 except (PeerFailedError, RuntimeError) as e:
                     self._elastic.recover(e)  # this step is discarded: it runs locally, optimizer.step() raises
+        if self._elastic is not None and self._elastic.pending is None and not self.algorithm.sync_gradients() \
+                and torch.is_grad_enabled():
+            try:  # local steps run no collective: look at the store for a lost peer (one round trip)
+                self._failfast.check()
+            except PeerFailedError as e:
+                self._elastic.recover(e, periodic="store")  # this step runs locally, optimizer.step() raises
         self._algorithm_hook(self.algorithm.before_forward)
 
     @torch.compiler.disable
@@ -679,11 +685,18 @@ class DistributedModel(torch.nn.Module):
 
     def _algorithm_hook(self, hook):
         """Run an algorithm hook that may communicate (its own exchanges, averages, threads' errors): if it
-        raises, this model's ranks are out of step for good, so tell the peers (fail fast) first."""
+        raises, this model's ranks are out of step for good, so tell the peers (fail fast) first. With
+        ``fault_tolerant=True`` and an algorithm that heals itself (DiLoCo's in-step sync), a lost peer is
+        recovered from here and the step raises MembershipChanged."""
         try:
             hook()
-        except PeerFailedError:
-            raise
+        except (PeerFailedError, RuntimeError) as e:
+            if self._elastic is None or not getattr(self.algorithm, "heals_itself", False):
+                if not isinstance(e, PeerFailedError):
+                    self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
+                raise
+            self._elastic.recover(e, periodic="sync")
+            raise self._elastic.take_pending() from e
         except Exception as e:
             self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
             raise
@@ -694,7 +707,11 @@ class DistributedModel(torch.nn.Module):
         """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
         ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
         collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
-        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], group, on_engine=True)], what)
+        join = [] if self._elastic is None or group is not None else [self._elastic.joiners_waiting()]
+        rows = self._gather_ints([self.algorithm.step] + join, group, on_engine=True)
+        if join and any(r[1] for r in rows):
+            self._elastic.grow_after_step = True  # on every rank alike: admit the joiners after this step
+        self._check_steps([r[0] for r in rows], what)
 
     def fail(self, what: str) -> None:
         """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a

@@ -260,10 +260,12 @@ class Controller:
         #: build the new group and check it
         self.last_recovery = None
 
-    def recover(self, error, buckets_done=False):
+    def recover(self, error, buckets_done=False, periodic=False):
         """A collective of this step failed (``error``): discard the step, agree on the survivors, re-form
         the group and rebuild what depends on it; or raise (see the module docstring). ``buckets_done``:
-        it was the step agreement, after every bucket had completed here."""
+        it was the step agreement, after every bucket had completed here. ``periodic``: "sync", an
+        algorithm's own sync after the optimizer's update (kept), or "store", a look at the store before a
+        local step (that step is discarded); the algorithm heals itself (``heal()``)."""
         import torch
 
         from . import _C
@@ -306,7 +308,15 @@ class Controller:
             raise MembershipError(f"bagua_lite: a peer failed again while the survivors {members} re-formed "
                                   f"the group (generation {g}): {e}") from e
         healed = ""
-        if len(set(steps)) > 1:
+        if periodic:
+            try:
+                alg.heal()
+            except Exception as e:  # noqa: BLE001 - another failure while healing
+                m._failfast.failed = str(e)
+                raise MembershipError(f"bagua_lite: the survivors {members} could not bring {alg.name}'s state "
+                                      f"together after the loss (generation {g}): {e}") from e
+            healed = f"; {alg.name}'s round in progress was healed (step count now {alg.step})"
+        elif len(set(steps)) > 1:
             lo, hi = min(steps), max(steps)
             behind = step == lo
             if hi - lo != 1 or (behind and late is None):
@@ -329,11 +339,14 @@ class Controller:
         self.last_recovery = {"started_at": started, "membership_s": t1 - t0, "regroup_s": time.monotonic() - t1}
         if self.callback is not None:
             self.callback(old_world, m.world_size)
+        if periodic and self.grow_after_step:  # the healed sync said joiners wait: admit them now, where every
+            self.grow()                         # survivor stands (a survivor may have come from its local steps)
+        what = ("this step's update was applied; " if periodic == "sync" else
+                "the step was discarded on every survivor, nothing of it was applied; ")
         self.pending = MembershipChanged(
             f"bagua_lite: a peer left at step {step} (world size {old_world} -> {m.world_size}, generation {g}, "
-            f"global ranks {members}): the step was discarded on every survivor, nothing of it was applied, and "
-            f"the model now runs on the survivors' group (this rank is {m.rank} of {m.world_size}){healed}. Go on "
-            f"with the next batch", old_world, m.world_size, g)
+            f"members {members}): {what}the model now runs on the survivors' group (this rank is {m.rank} of "
+            f"{m.world_size}){healed}. Go on with the next batch", old_world, m.world_size, g)
 
     def _use(self, g, members):
         """Run the model on generation ``g``'s new default group (``members``)."""

@@ -30,7 +30,7 @@ from bagua_lite.algorithms import build
 from cluster import _context
 from test_elastic_membership import _batch, _flat, _join, _net
 
-STEPS = 14
+STEPS = 18
 
 
 def _digest(net):
@@ -39,7 +39,7 @@ def _digest(net):
 
 def _snapshot(model, net, opt):
     return {"module": {k: v.clone() for k, v in net.state_dict().items()},  # copies: training goes on
-            "optimizer": copy.deepcopy(opt.state_dict()), "algorithm": model.algorithm_state_dict()}
+            "optimizer": copy.deepcopy(opt.state_dict()), "algorithm": copy.deepcopy(model.algorithm_state_dict())}
 
 
 def _worker(rank, P, port, out, algo, options, kill_at, replacement):
@@ -48,7 +48,7 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
     started = time.time()
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    res = {"digests": {}, "discarded": [], "changes": [], "snap": None, "started": started}
+    res = {"digests": {}, "discarded": [], "changes": [], "snap": None, "started": started, "after_change": {}}
 
     def changed(old, new):
         res["changes"].append((old, new, model.algorithm.step if model_box else None))  # None: in the constructor
@@ -72,8 +72,10 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
         try:
             F.cross_entropy(model(x), y).backward()
             opt.step()
-        except bagua_lite.MembershipChanged:
+        except bagua_lite.MembershipChanged as e:
             res["discarded"].append(s)
+            res["after_change"][s] = _digest(net)
+            res.setdefault("messages", []).append(str(e))
         else:
             res["digests"][s] = _digest(net)
             if replacement and "first_step_s" not in res:
@@ -297,3 +299,54 @@ def test_a_worker_joining_a_job_that_ended_raises_instead_of_waiting():
     assert set(codes.values()) == {0}, codes
     msg = torch.load(os.path.join(out, "late.pt"), weights_only=False)
     assert "has ended" in msg and "before admitting it" in msg, msg
+
+
+PERIODIC = [  # (algorithm, options, P, {rank: step it is killed at}, replaced)
+    ("local_sgd", {"period": 4}, 4, {2: 5}, False),   # dies between syncs: the sync at 8 is finished by the rest
+    ("diloco", {"period": 4, "outer_optimizer": {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}},
+     5, {1: 3, 0: 9}, False),                          # two kills, rank 0 among them: 5 -> 4 -> 3
+    ("local_sgd", {"period": 4, "warmup_steps": 2}, 4, {1: 6}, True),  # a replacement joins at a later sync
+    ("diloco", {"period": 4}, 3, {0: 6}, True),
+]
+
+
+@pytest.mark.parametrize("algo,options,P,kills,replaced", PERIODIC,
+                         ids=[f"{a}-P{P}-kill{len(k)}{'-join' if j else ''}" for a, _, P, k, j in PERIODIC])
+def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, options, P, kills, replaced):
+    """Local steps run no collective, so the survivors meet the loss in the next sync (after the optimizer's
+    update of that step, which is kept) and finish that sync among themselves: nothing of any survivor's
+    work is lost. A replacement is admitted at a later sync and takes the state from rank 0."""
+    out = tempfile.mkdtemp(prefix="bagua_lite_periodic_")
+    period = options["period"]
+    store, codes = _run(P, _worker, (out, algo, options, kills), replace=list(kills) if replaced else [])
+    for r in kills:
+        assert codes.pop(r) == -signal.SIGKILL, codes
+    assert set(codes.values()) == {0}, codes
+    survivors = [r for r in range(P) if r not in kills]
+    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+    warm = options.get("warmup_steps", 0)
+    sync_steps = [i for i in range(STEPS) if i + 1 > warm and (i + 1 - warm) % period == 0]
+    syncs = [min(i for i in sync_steps if i >= k) for k in sorted(kills.values())]  # the steps whose sync failed
+    for r, x in res.items():
+        assert x["discarded"] == syncs, (r, x["discarded"], syncs, x["messages"])  # MembershipChanged there
+        # no step lost, none retrained: the loop goes on at the next step count
+        assert sorted(x["digests"]) == [s for s in range(STEPS) if s not in syncs], (r, x["messages"])
+    for s in range(STEPS):  # after every sync the replicas are identical
+        if s in sync_steps:
+            digests = {r: {**res[r]["digests"], **res[r]["after_change"]} for r in survivors}  # healed syncs too
+            assert len({digests[r][s] for r in survivors if s in digests[r]}) == 1, s
+    members = survivors + ([P] if replaced else [])
+    if replaced:
+        joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+        start = joiner["joined_at"]
+        assert start - 1 in sync_steps and syncs[-1] < start < STEPS, start  # admitted right after a sync
+        assert joiner["members"] == members and sorted(joiner["digests"]) == list(range(start, STEPS))
+        for r in survivors:
+            assert res[r]["snap"][0] == start
+        # the strong check: the members afresh from the state each had when the join completed
+        _, ref_codes = _run(len(members), _reference, (out, algo, options, members, start), replace=None)
+        assert set(ref_codes.values()) == {0}, ref_codes
+        for me in members:
+            got = joiner["weights"] if me == P else res[me]["weights"]
+            ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
+            assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"

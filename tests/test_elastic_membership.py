@@ -281,7 +281,8 @@ def _refusals(rank, P, port, out):
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     errors = {}
-    for name, options in (("decentralized", {}), ("local_sgd", {}), ("async_model_average", {}),
+    for name, options in (("decentralized", {}), ("local_sgd", {"compression": "minmax_uint8"}),
+                          ("diloco", {"overlap": 1, "period": 4}), ("async_model_average", {}),
                           ("gradient_allreduce", {"hierarchical": True}), ("qadam", {})):
         try:
             bagua_lite.DistributedModel(net, opt, build(name, **options), fault_tolerant=True).close()
