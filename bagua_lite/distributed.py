@@ -127,8 +127,10 @@ class DistributedModel(torch.nn.Module):
     ``on_membership_change(old_world_size, new_world_size)`` is called first. Fewer than ``min_workers``
     left: every survivor raises :class:`bagua_lite.MembershipError` (checkpoint then, and restart).
     ``rejoin_window_s``: how long the survivors wait for each other to register before the membership is
-    closed (a survivor busy for longer when the peer fails is left out). For gradient_allreduce (flat,
-    any compression), topk, gtopk and powersgd; other algorithms are refused. The rendezvous store must
+    closed (a survivor busy for longer when the peer fails is left out). A worker started later with
+    ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
+    gradient_allreduce (flat, any compression), topk, gtopk, powersgd, and local_sgd/diloco with dense
+    in-step syncs; other algorithms are refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 

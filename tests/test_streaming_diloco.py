@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import bagua_lite
 from bagua_lite.algorithms import build
+from test_diloco import _average_in_pieces as _pieces
 
 H = 4
 
@@ -41,14 +42,8 @@ CHUNKS = build("diloco").sync_chunks  # the default
 
 
 def _average_in_pieces(flat):
-    """As a dense sync averages a fragment: CHUNKS contiguous pieces (``n % CHUNKS`` of them one element
-    longer, first), each its own allreduce."""
-    n = flat.numel()
-    k = min(CHUNKS, n)
-    bounds = [i * (n // k) + min(i, n % k) for i in range(k + 1)]
-    for a, b in zip(bounds, bounds[1:]):
-        bagua_lite.comm.allreduce(flat[a:b], "avg")
-    return flat
+    """As a dense sync averages a fragment (the default number of pieces)."""
+    return _pieces(flat, CHUNKS)
 
 
 def _reference(rank, steps, fragments, overlap, alpha, warmup=0):
