@@ -19,15 +19,15 @@ every survivor, in whatever call of the step it learns it (forward, backward):
    next generation number; the set is closed once every member of the last generation registered, or
    ``rejoin_window_s`` seconds after this rank registered, by one atomic ``compare_set`` that only the first
    closer wins, so every survivor reads the same set (a rank registering after it is excluded and raises);
-3. builds a new process group among the members (torch's own, ``dist.new_group`` on the rendezvous store,
-   the old group's backend and timeout), checks on it that every member is at the same step count, and
-   rebuilds what depends on the group: ``process_group``, ``rank``, ``world_size``, the fail-fast key, the
-   algorithm's bucket ops. Per-rank state that stays consistent is kept (error-feedback residuals,
-   Top-k/gTop-k residuals and momenta, PowerSGD's residuals and Q's: each survivor's own);
-4. calls ``on_membership_change(old_world_size, new_world_size)`` (learning rate, batch accounting), and
+3. makes the next generation's default process group among the members (see below), checks on it that
+   every member is at the same step count (one behind by a step whose agreement reached the others only
+   takes that step late from them), and rebuilds what depends on the group: ``process_group``, ``rank``,
+   ``world_size``, the fail-fast key, the algorithm's bucket ops. Per-rank state that stays consistent is
+   kept (error-feedback residuals, Top-k/gTop-k residuals and momenta, PowerSGD's residuals and Q's);
+4. calls ``on_membership_change(old_world_size, new_world_size)`` (learning rate, data sharding), and
    ``optimizer.step()`` of that step raises :class:`MembershipChanged`: catch it and go on with the next
-   batch. ``rank`` and ``world_size`` of the model are the new ones from then on (a survivor's data
-   stays its own: the global rank, ``torch.distributed.get_rank()``, does not change).
+   batch. An algorithm that syncs in ``after_step`` (local SGD, DiLoCo: ``heals_itself``) keeps that
+   step's update and finishes its round in ``heal()`` instead.
 
 Joining (a replacement, or one more worker): a process started later with the same environment and
 ``bagua_lite.init_process_group()`` finds the job running (the store's ``bagua_lite/ft/open``) and makes no
