@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _C, agreement, comm, runtime
+from . import _C, agreement, comm, launch, runtime
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
 from . import elastic
@@ -83,12 +83,6 @@ def _take_closure(optimizer, args, kwargs):
 
 def _digest(obj) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
-
-
-def _joining_store():
-    """The rendezvous store if this process joins a running fault-tolerant job, else None."""
-    from . import launch
-    return launch._JOIN.get("store")
 
 
 def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
@@ -174,7 +168,7 @@ class DistributedModel(torch.nn.Module):
         self.algorithm = algorithm
         self.bucket_size_mb = float(bucket_size_mb)
         membership = None  # a joiner's: it waits here to be admitted into the running job
-        joining = _joining_store()
+        joining = launch._JOIN.get("store")  # set by bagua_lite.init_process_group when a job already runs
         if joining is not None:
             if fault_tolerant is not True or group is not None:
                 raise RuntimeError(
@@ -183,7 +177,6 @@ class DistributedModel(torch.nn.Module):
                     "and no group=, as the job's other workers did")
             _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, None)
             membership = elastic.wait_for_admission(joining, rejoin_window_s)
-            from . import launch
             elastic.reform(joining, membership.generation, membership.members, membership.me,
                            *launch._JOIN["group"])
             broadcast_parameters = True  # the members send theirs (DistributedModel._admit)
@@ -248,7 +241,6 @@ class DistributedModel(torch.nn.Module):
         self._install(algorithm)
         if membership is not None:
             self._admit(joining=True)
-            from . import launch
             launch._JOIN.clear()
             if on_membership_change is not None:
                 on_membership_change(len(membership.read(membership.generation - 1)), self.world_size)
@@ -513,6 +505,17 @@ class DistributedModel(torch.nn.Module):
             raise
         return out.view(self.world_size, len(values)).tolist()
 
+    def _gather_with_joiners(self, values, group=None, on_engine=False):
+        """:meth:`_gather_ints`, with fault tolerance on the model's group also carrying rank 0's count of
+        workers waiting to join (so every member learns it at the same step and admits them after it);
+        returned without that column."""
+        if self._elastic is None or group is not None:
+            return self._gather_ints(values, group, on_engine)
+        rows = self._gather_ints([self._elastic.joiners_waiting()] + list(values), group, on_engine)
+        if any(row[0] for row in rows):
+            self._elastic.grow_after_step = True  # on every rank alike
+        return [row[1:] for row in rows]
+
     def _step_count_check(self, _flat):
         """Before any bucket travels: do all ranks enter this round at the same step count?"""
         self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], on_engine=True)],
@@ -541,11 +544,7 @@ class DistributedModel(torch.nn.Module):
         words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // _BITS] &= ~(1 << (i % _BITS))
-        extra = [] if self._elastic is None else [self._elastic.joiners_waiting()]
-        rows = self._gather_ints([min(bad) if bad else -1, self.algorithm.step] + extra + words)
-        if extra and any(row[2] for row in rows):
-            self._elastic.grow_after_step = True  # on every member alike: admit after this step
-        rows = [row[:2] + row[2 + len(extra):] for row in rows]
+        rows = self._gather_with_joiners([min(bad) if bad else -1, self.algorithm.step] + words)
         firsts = [row[0] for row in rows]
         msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
         if msg:
@@ -692,15 +691,13 @@ class DistributedModel(torch.nn.Module):
         recovered from here and the step raises MembershipChanged."""
         try:
             hook()
-        except (PeerFailedError, RuntimeError) as e:
-            if self._elastic is None or not getattr(self.algorithm, "heals_itself", False):
-                if not isinstance(e, PeerFailedError):
-                    self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
-                raise
-            self._elastic.recover(e, periodic="sync")
-            raise self._elastic.take_pending() from e
         except Exception as e:
-            self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
+            if isinstance(e, RuntimeError) and self._elastic is not None \
+                    and getattr(self.algorithm, "heals_itself", False):  # PeerFailedError is one
+                self._elastic.recover(e, periodic="sync")
+                raise self._elastic.take_pending() from e
+            if not isinstance(e, PeerFailedError):
+                self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
             raise
 
     # ---- what an algorithm uses of the model (besides buckets, params, optimizer, process_group, rank,
@@ -709,10 +706,7 @@ class DistributedModel(torch.nn.Module):
         """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
         ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
         collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
-        join = [] if self._elastic is None or group is not None else [self._elastic.joiners_waiting()]
-        rows = self._gather_ints([self.algorithm.step] + join, group, on_engine=True)
-        if join and any(r[1] for r in rows):
-            self._elastic.grow_after_step = True  # on every rank alike: admit the joiners after this step
+        rows = self._gather_with_joiners([self.algorithm.step], group, on_engine=True)
         self._check_steps([r[0] for r in rows], what)
 
     def fail(self, what: str) -> None:

@@ -147,47 +147,36 @@ def reform(base, g, members, me, backend, timeout):
 def broadcast_state(state, group, src=0):
     """``state`` (nested dicts, lists and tuples of tensors and plain values) from rank ``src`` of ``group``
     to every rank (the others pass None); the tensors travel as one flat buffer per dtype, the rest pickled."""
-    is_src = group.rank() == src
     tensors = []
 
-    def strip(x):
+    def strip(x):  # the structure, each tensor replaced by its index in ``tensors``
         if isinstance(x, torch.Tensor):
             tensors.append(x.detach())
-            return ("__bagua_lite_tensor__", len(tensors) - 1, tuple(x.shape), x.dtype)
+            return _TensorSlot(len(tensors) - 1)
         if isinstance(x, dict):
             return {k: strip(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             return type(x)(strip(v) for v in x)
         return x
-    box = [strip(state) if is_src else None]
+    is_src = group.rank() == src
+    box = [None]
+    if is_src:
+        skeleton = strip(state)
+        box = [(skeleton, [(tuple(t.shape), t.dtype) for t in tensors])]
     dist.broadcast_object_list(box, group_src=src, group=group)
-    skeleton, metas = box[0], []
-
-    def find(x):
-        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__bagua_lite_tensor__":
-            metas.append(x)
-        elif isinstance(x, dict):
-            for v in x.values():
-                find(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                find(v)
-    find(skeleton)
-    received = {}
-    for dtype in sorted({m[3] for m in metas}, key=str):
-        mine = [m for m in metas if m[3] == dtype]
-        sizes = [int(torch.Size(m[2]).numel()) for m in mine]
-        if is_src:
-            flat = torch.cat([tensors[m[1]].reshape(-1) for m in mine])
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype)
+    skeleton, metas = box[0]
+    received = [None] * len(metas)
+    for dtype in sorted({dt for _, dt in metas}, key=str):
+        idx = [i for i, (_, dt) in enumerate(metas) if dt == dtype]
+        sizes = [int(torch.Size(metas[i][0]).numel()) for i in idx]
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx]) if is_src else torch.empty(sum(sizes), dtype=dtype)
         dist.broadcast(flat, group_src=src, group=group)
-        for m, piece in zip(mine, flat.split(sizes)):
-            received[m[1]] = piece.view(m[2])
+        for i, piece in zip(idx, flat.split(sizes)):
+            received[i] = piece.view(metas[i][0])
 
     def fill(x):
-        if isinstance(x, tuple) and len(x) == 4 and x[0] == "__bagua_lite_tensor__":
-            return received[x[1]]
+        if isinstance(x, _TensorSlot):
+            return received[x.index]
         if isinstance(x, dict):
             return {k: fill(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -196,9 +185,16 @@ def broadcast_state(state, group, src=0):
     return fill(skeleton)
 
 
+class _TensorSlot:
+    """Where a tensor stood in a state :func:`broadcast_state` sends (pickled in its place)."""
+
+    def __init__(self, index):
+        self.index = index
+
+
 def wait_for_admission(base, window_s, poll_s=0.05):
     """A joiner: register, then wait (as long as it takes: the members admit joiners at a step boundary)
-    for the generation that lists it; make its process group. Returns (Membership, member list)."""
+    for the generation that lists it. Returns its Membership (the caller makes the process group)."""
     me = int(base.get(f"{KEY}/world0")) + int(base.add(f"{KEY}/joined", 1)) - 1
     g = int(base.get(f"{KEY}/generation")) + 1
     while True:
@@ -227,7 +223,6 @@ class Controller:
         self.model = model
         self.min_workers = min_workers
         self.callback = on_membership_change
-        self.key = KEY
         self.backend, self.timeout = dist.get_backend(model.process_group), group_timeout(model.process_group)
         if membership is None:  # generation 0: every rank of the default group
             from . import launch
@@ -266,10 +261,7 @@ class Controller:
         it was the step agreement, after every bucket had completed here. ``periodic``: "sync", an
         algorithm's own sync after the optimizer's update (kept), or "store", a look at the store before a
         local step (that step is discarded); the algorithm heals itself (``heal()``)."""
-        import torch
-
         from . import _C
-        from ._failfast import FailFast
 
         started, t0 = time.time(), time.monotonic()
         m, alg = self.model, self.model.algorithm
@@ -378,14 +370,14 @@ class Controller:
         self.grow_after_step = False
         g = mb.generation + 1
         old_world = m.world_size
-        members = mb.grown() if m.rank == 0 else None
-        if members is None:
-            deadline = time.monotonic() + self.timeout.total_seconds()
-            while not self.base.check([f"{KEY}/gen{g}/members"]):
-                if time.monotonic() > deadline:
-                    raise MembershipError(f"bagua_lite: rank 0 did not publish generation {g}'s members within "
-                                          f"the group timeout while admitting a joiner")
-                time.sleep(Membership.POLL_S)
+        if m.rank == 0:
+            members = mb.grown()
+        else:
+            try:
+                self.base.wait([f"{KEY}/gen{g}/members"], self.timeout)
+            except Exception as e:  # noqa: BLE001 - the store's timeout error
+                raise MembershipError(f"bagua_lite: rank 0 did not publish generation {g}'s members within the "
+                                      f"group timeout while admitting a joiner: {e}") from e
             members = mb.read(g)
         mb.generation, mb.members = g, members
         self._use(g, members)

@@ -55,41 +55,39 @@ def _set_weights(net, flat):
             o += p.numel()
 
 
-def _reference(rank, steps, outer, chunks=CHUNKS):
-    """Plain torch: AdamW inner steps; every H steps the pseudo-gradient theta - mean x (the flat change
-    averaged in ``chunks`` pieces, as the algorithm's) and the outer optimizer's step on theta; every
-    replica <- theta."""
+def _inner_loop(rank, steps, sync):
+    """Plain torch: AdamW inner steps on this rank's batches, ``sync(net)`` after every H of them."""
     net = _net()
     opt = _inner(net)
-    theta = _flat(net).clone()
-    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[outer["name"]]
-    outer_opt = cls([theta], **{k: v for k, v in outer.items() if k != "name"})
     for s in range(steps):
         x, y = _batch(rank, s)
         F.cross_entropy(net(x), y).backward()
         opt.step()
         opt.zero_grad()
         if (s + 1) % H == 0:
-            change = _average_in_pieces(_flat(net) - theta, chunks)
-            theta.grad = change.neg_()
-            outer_opt.step()
-            _set_weights(net, theta)
-    return _flat(net), outer_opt.state_dict()["state"]
+            sync(net)
+    return net
+
+
+def _reference(rank, steps, outer, chunks=CHUNKS):
+    """Plain torch: AdamW inner steps; every H steps the pseudo-gradient theta - mean x (the flat change
+    averaged in ``chunks`` pieces, as the algorithm's) and the outer optimizer's step on theta; every
+    replica <- theta."""
+    theta = _flat(_net()).clone()
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[outer["name"]]
+    outer_opt = cls([theta], **{k: v for k, v in outer.items() if k != "name"})
+
+    def sync(net):
+        theta.grad = _average_in_pieces(_flat(net) - theta, chunks).neg_()
+        outer_opt.step()
+        _set_weights(net, theta)
+    return _flat(_inner_loop(rank, steps, sync)), outer_opt.state_dict()["state"]
 
 
 def _reference_local_sgd(rank, steps, chunks):
     """Plain torch: AdamW inner steps; every H steps every replica <- the mean of the flat weights (averaged
     in ``chunks`` pieces)."""
-    net = _net()
-    opt = _inner(net)
-    for s in range(steps):
-        x, y = _batch(rank, s)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        if (s + 1) % H == 0:
-            _set_weights(net, _average_in_pieces(_flat(net), chunks))
-    return _flat(net)
+    return _flat(_inner_loop(rank, steps, lambda net: _set_weights(net, _average_in_pieces(_flat(net), chunks))))
 
 
 def _train(rank, name, options, steps, ckpt=None, resume_at=None):
