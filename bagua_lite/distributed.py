@@ -31,6 +31,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C, agreement, comm, launch, runtime
@@ -105,7 +106,22 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
                          f"{window!r}")
 
 
-class DistributedModel(torch.nn.Module):
+def _ddp_only(what: str, instead: str):
+    """A DDP member that needs DDP's own machinery (its C++ reducer), which a DistributedModel does not
+    have: refused on use with what to do instead."""
+    def refuse(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"bagua_lite.DistributedModel is a DistributedDataParallel in type only (so that tools which unwrap "
+            f"DDP reach its module); it has no DDP reducer, so DDP's {what} does not apply: {instead}")
+    return refuse
+
+
+def _ddp_only_attribute(name: str, instead: str) -> property:
+    refuse = _ddp_only(name, instead)
+    return property(refuse, refuse)
+
+
+class DistributedModel(DistributedDataParallel):
     """Wrap ``module`` and its ``optimizer`` for data-parallel training with a bagua_lite algorithm.
 
     ``algorithm`` is an :class:`Algorithm` instance or a registered name. ``bucket_size_mb`` caps a
@@ -128,6 +144,13 @@ class DistributedModel(torch.nn.Module):
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 
+    A ``torch.nn.parallel.DistributedDataParallel`` in type only, so that whatever unwraps a DDP by
+    ``isinstance`` and ``.module`` reaches the wrapped module: Accelerate's ``unwrap_model``, ``get_state_dict``
+    and ``save_model``, ``torch.distributed.checkpoint``'s state-dict helpers (plain keys), the user's own
+    ``isinstance(model, DDP)``. ``DistributedDataParallel.__init__`` never runs and DDP's reducer does not
+    exist: the members that need it (``register_comm_hook``, ``join``, ``reducer``,
+    ``require_backward_grad_sync``, ...) raise :class:`NotImplementedError` saying what to use instead.
+
     Example::
 
         model = bagua_lite.DistributedModel(net, opt, algorithm="gtopk", bucket_size_mb=25)
@@ -135,12 +158,38 @@ class DistributedModel(torch.nn.Module):
             loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
     """
 
+    # DDP's members over its reducer and join machinery; the nn.Module ones DDP overrides are put back.
+    reducer = _ddp_only_attribute("reducer", "bagua_lite's buckets live in the C++ engine")
+    require_backward_grad_sync = _ddp_only_attribute(
+        "require_backward_grad_sync", "use model.no_sync() around the forward and backward that must not sync "
+        "(Accelerate: accelerator.no_sync / accumulate; trigger_sync_in_backward is not supported)")
+    require_forward_param_sync = _ddp_only_attribute("require_forward_param_sync", "use model.no_sync()")
+    register_comm_hook = _ddp_only(
+        "register_comm_hook", "pick the compression with the algorithm (algorithm=..., compression=...), or "
+        "use bagua_lite.hooks on a torch DDP model")
+    join = _ddp_only("join", "uneven inputs are not supported; give every rank the same number of batches")
+    join_hook = _ddp_only("join_hook", "uneven inputs are not supported")
+    join_device = _ddp_only_attribute("join_device", "uneven inputs are not supported")
+    join_process_group = _ddp_only_attribute("join_process_group", "uneven inputs are not supported")
+    _distributed_rank = _ddp_only_attribute("_distributed_rank", "use model.rank")
+    scatter = _ddp_only("scatter", "inputs are not scattered: each process feeds its own batch")
+    gather = _ddp_only("gather", "outputs are not gathered: each process keeps its own")
+    to_kwargs = _ddp_only("to_kwargs", "inputs are not scattered: each process feeds its own batch")
+    will_sync_module_buffers = _ddp_only("will_sync_module_buffers", "read model.broadcast_buffers")
+    _get_ddp_logging_data = _ddp_only("_get_ddp_logging_data", "read model.timings")
+    _set_static_graph = _ddp_only("_set_static_graph", "bagua_lite needs no static graph")
+    static_graph = False  # read by Lightning through getattr; bagua_lite's graph may change every step
+    broadcast_buffers = True  # a plain attribute here (a read-only property on DDP); set in __init__
+    train = torch.nn.Module.train
+    __getstate__ = torch.nn.Module.__getstate__
+    __setstate__ = torch.nn.Module.__setstate__
+
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
                  group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True,
                  fault_tolerant: bool = False, min_workers: int = 1, on_membership_change=None,
                  rejoin_window_s: float = 2.0):
-        super().__init__()
+        torch.nn.Module.__init__(self)  # not DDP's: none of its machinery is built
         if isinstance(algorithm, str):
             from . import algorithms  # noqa: F401  (registers the built-ins)
             algorithm = build(algorithm)

@@ -79,6 +79,7 @@ import torch.distributed as dist
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning_fabric.utilities.optimizer import _optimizers_to_device
 from pytorch_lightning.overrides.distributed import _sync_module_states
+from pytorch_lightning.strategies.strategy import Strategy, _ForwardRedirection
 from pytorch_lightning.trainer.states import TrainerFn
 
 from . import checkpoint as _ckpt
@@ -154,6 +155,9 @@ class BaguaLiteStrategy(DDPStrategy):
         self._distributed_model: Optional[DistributedModel] = None
         self._last_model: Optional[DistributedModel] = None  # closed at teardown; still checkpointable
         self._pending_state = None  # this rank's bagua_lite state read by load_checkpoint, applied after the optimizer
+        # DistributedModel is a DDP in type only: DDPStrategy's redirection and backward hooks would reach for DDP's
+        # reducer flags, which it does not have (no_sync is the one switch, and block_backward_sync uses it)
+        self._forward_redirection = _ForwardRedirection()
 
     # ---- set-up ------------------------------------------------------------------------------------------
     @property
@@ -221,6 +225,12 @@ class BaguaLiteStrategy(DDPStrategy):
                 yield None
         else:
             yield None
+
+    def pre_backward(self, closure_loss) -> None:
+        Strategy.pre_backward(self, closure_loss)  # not DDPStrategy's: there is no DDP reducer to prepare
+
+    def post_backward(self, closure_loss) -> None:
+        Strategy.post_backward(self, closure_loss)
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     @property

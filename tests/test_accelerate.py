@@ -10,7 +10,8 @@ data loader (``accelerator.prepare(model)`` would add a DDP of its own)::
 What is checked: training through ``accelerator.backward`` / ``clip_grad_norm_`` / the prepared optimizer and
 loader gives the same weights bit for bit as the plain bagua_lite loop on the same batches; gradient
 accumulation through ``accelerator.accumulate(model)`` is bit for bit the plain ``no_sync()`` loop; the
-wrong orders are refused with a message that says the right one; and what Accelerate's unwrapping gives.
+wrong orders are refused with a message that says the right one; Accelerate's unwrapping (``unwrap_model``,
+``get_state_dict``, ``save_model``) reaches the inner module and its plain keys, as for a DDP.
 """
 import os
 
@@ -201,29 +202,49 @@ def test_wrong_orders_are_refused_on_every_rank(cluster):
             and "DistributedModel(net, optimizer) first" in o["wrapper_opt"], o["wrapper_opt"]
 
 
-def _r_unwrap(rank, world):
+def _r_unwrap(rank, world, tmp):
     _env(rank)
+    import safetensors.torch
     from accelerate.utils import extract_model_from_parallel
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     acc = _accelerator()
     net = _net()
-    model = bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = bagua_lite.DistributedModel(net, opt, algorithm="gtopk")
+    x, y = _dataset(1).tensors
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # trained weights, so that a copy of the untrained net would not match
     compiled = torch.compile(model)
     plain = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def same(sd):
+        return list(sd) == list(plain) and all(torch.equal(v, plain[k]) for k, v in sd.items())
+
     out = {
-        # model.module is the inner module, for Accelerate as for DDP users: plain keys, the same tensors
-        "unwrap_inner": acc.unwrap_model(model.module) is net and extract_model_from_parallel(model.module) is net,
-        "inner_sd": list(acc.get_state_dict(model.module)) == list(plain)
-        and all(torch.equal(v, plain[k]) for k, v in acc.get_state_dict(model.module).items()),
-        # Accelerate unwraps only the classes it lists (DDP, DataParallel, DeepSpeed, FSDP) and torch.compile:
-        # a DistributedModel comes back as itself, its state_dict with DDP's "module." keys
-        "unwrap_model": acc.unwrap_model(model) is model and extract_model_from_parallel(model) is model,
-        "model_sd": list(acc.get_state_dict(model)) == ["module." + k for k in plain],
-        "compiled": acc.unwrap_model(compiled, keep_torch_compile=False) is model,
+        # a DistributedModel unwraps as a DDP does: to the inner module, whose state_dict has plain keys
+        "unwrap_model": acc.unwrap_model(model) is net,
+        "extract": extract_model_from_parallel(model) is net,
+        "compiled": acc.unwrap_model(compiled, keep_torch_compile=False) is net,
+        "get_state_dict": same(acc.get_state_dict(model)),
+        "dcp_state_dict": same(get_model_state_dict(model)),
+        "model_module": acc.unwrap_model(model.module) is net,
+        "own_state_dict": list(model.state_dict()) == ["module." + k for k in plain],  # as DDP's own
     }
+    acc.save_model(model, os.path.join(tmp, "saved"))
+    acc.wait_for_everyone()
+    saved = safetensors.torch.load_file(os.path.join(tmp, "saved", "model.safetensors"))
+    out["save_model"] = same({k: saved[k] for k in plain if k in saved}) and len(saved) == len(plain)  # file sorts keys
+    # DDP's reducer switches do not exist: Accelerate's trigger_sync_in_backward is refused, naming no_sync
+    try:
+        with acc.trigger_sync_in_backward(model):
+            pass
+        out["trigger_sync"] = False
+    except NotImplementedError as e:
+        out["trigger_sync"] = "no_sync" in str(e) and "trigger_sync_in_backward is not supported" in str(e)
     model.close()
     return out
 
 
-def test_what_accelerate_unwrapping_gives(cluster):
-    for o in cluster.run(_r_unwrap, timeout=60):
+def test_accelerate_unwraps_a_distributed_model_as_a_ddp(cluster, tmp_path):
+    for o in cluster.run(_r_unwrap, str(tmp_path), timeout=60):
         assert o == {k: True for k in o}, o

@@ -819,6 +819,43 @@ def test_state_dict_roundtrips(clusters, P):
         assert out["without_state_differs"], f"rank {r}: dropping the residuals changed nothing (vacuous check)"
 
 
+def _r_ddp_in_type(rank, P):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    net = _mlp()
+    opt = _sgd(net, lr=0.1)
+    model = bagua_lite.DistributedModel(net, opt, "gtopk")
+    out = {"isinstance": isinstance(model, DDP), "static_graph": getattr(model, "static_graph", None),
+           "broadcast_buffers": model.broadcast_buffers, "refused": {}}
+    calls = {"reducer": lambda: model.reducer,
+             "require_backward_grad_sync": lambda: model.require_backward_grad_sync,
+             "set require_backward_grad_sync": lambda: setattr(model, "require_backward_grad_sync", False),
+             "register_comm_hook": lambda: model.register_comm_hook(None, lambda s, b: None),
+             "join": lambda: model.join(), "scatter": lambda: model.scatter((), {}, [0])}
+    for name, call in calls.items():
+        try:
+            call()
+            out["refused"][name] = "not refused"
+        except NotImplementedError as e:
+            out["refused"][name] = str(e)
+    before = _flat(net).clone()
+    model.train(False)  # nn.Module's train, not DDP's: the flag reaches the inner module
+    out["eval_reaches_inner"] = not net.training
+    model.train()
+    _step(model, opt, *_batch(rank, 0))  # still trains after the refusals
+    out["trained"] = not torch.equal(before, _flat(net))
+    model.close()
+    return out
+
+
+def test_distributed_model_is_a_ddp_in_type_only(clusters):
+    for o in clusters.get(2).run(_r_ddp_in_type, timeout=60):
+        assert o["isinstance"] and o["static_graph"] is False and o["broadcast_buffers"] is True
+        for name, msg in o["refused"].items():
+            assert "in type only" in msg and name.split()[-1] in msg, (name, msg)
+        assert "no_sync" in o["refused"]["require_backward_grad_sync"]
+        assert o["eval_reaches_inner"] and o["trained"]
+
+
 RANDOMK_YAML = """
 algorithm:
   name: randomk_test
