@@ -48,6 +48,8 @@ class Peers:
         both = sorted({(me - 1) % P, (me + 1) % P} - {me})
         one_way = ([(me + 1) % P], [(me - 1) % P]) if P > 1 else ([], [])
         self.fixed = one_way if peer_selection == "ring_one_way" else (both, both)
+        #: how many ranks this rank receives from in one exchange, at most
+        self.senders = max(1, len(self.fixed[1])) if peer_selection.startswith("ring") else 1
 
     def of(self, exchange):
         """(ranks this rank sends to, ranks it receives from) in exchange number ``exchange``."""

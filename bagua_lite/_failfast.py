@@ -35,6 +35,8 @@ class FailFast:
         self.store = _default_store()
         self.failed = None  # set once this model's communication is known to be broken
         self._next_check = 0.0
+        #: called at every poll of a wait (fault tolerance's heartbeat watch: raises PeerFailedError)
+        self.watch = None
 
     def announce(self, what: str) -> None:
         """This rank's communication failed: tell every peer (best effort; never raises)."""
@@ -71,6 +73,8 @@ class FailFast:
         """``engine.wait_all()``, looking for a peer's failure every POLL_S seconds."""
         while not engine.wait_all_for(POLL_S):
             self.check()
+            if self.watch is not None:
+                self.watch()
 
     def peer_failed(self) -> bool:
         """Whether this model is known to be failed (here or on a peer), without raising."""
@@ -92,3 +96,5 @@ class FailFast:
         (the thread may sit in a collective with the failed rank until the group's timeout)."""
         while not event.wait(POLL_S):
             self.check()
+            if self.watch is not None:
+                self.watch()

@@ -80,6 +80,14 @@ class Algorithm:
     #: can carry on with the survivors when a peer is lost (``DistributedModel(..., fault_tolerant=True)``):
     #: its per-rank state stays consistent when the group shrinks, and :meth:`regroup` forgets the rest
     supports_membership_change: bool = False
+    #: the ranks' weights differ by design (decentralized): a worker joining a fault-tolerant job starts from
+    #: rank 0's weights while every member keeps its own
+    replicas_differ: bool = False
+    #: with ``fault_tolerant=True``, for an algorithm with no collective of all ranks in its steps (the
+    #: step agreement that carries the news of a waiting joiner elsewhere): how many steps ahead of rank 0's
+    #: step count the members admit joiners, more than any member can be ahead of rank 0 (each learns the
+    #: admission step from the store, which it looks at once per step); None: admitted by the agreement
+    store_admission_margin = None
 
     def __init__(self):
         self.step = 0

@@ -86,14 +86,14 @@ def _digest(obj) -> int:
     return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
 
 
-def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
+def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, heartbeat):
     """``fault_tolerant=True``'s arguments, refused before any traffic (the same on every rank)."""
     if not getattr(algorithm, "supports_membership_change", False):
         raise ValueError(
             f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
-            f"compression), topk, gtopk, powersgd, and local_sgd/diloco with dense in-step syncs (no overlap, no "
-            f"compression); got {algorithm.name} ({algorithm!r}). Decentralized, asynchronous, qadam and auto "
-            f"are not supported yet")
+            f"compression), topk, gtopk, powersgd, local_sgd/diloco with dense in-step syncs (no overlap, no "
+            f"compression) and decentralized without compression; got {algorithm.name} ({algorithm!r}). "
+            f"Asynchronous averaging, qadam and auto are not supported yet")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
         raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
@@ -104,6 +104,9 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size):
     if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window < 3600:
         raise ValueError(f"DistributedModel: rejoin_window_s must be a number of seconds in (0, 3600), got "
                          f"{window!r}")
+    if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not 1 <= heartbeat <= 86400:
+        raise ValueError(f"DistributedModel: heartbeat_timeout_s must be a number of seconds in [1, 86400] (at "
+                         f"least two heartbeats of {elastic.HEARTBEAT_S} s), got {heartbeat!r}")
 
 
 def _ddp_only(what: str, instead: str):
@@ -137,7 +140,10 @@ class DistributedModel(DistributedDataParallel):
     ``on_membership_change(old_world_size, new_world_size)`` is called first. Fewer than ``min_workers``
     left: every survivor raises :class:`bagua_lite.MembershipError` (checkpoint then, and restart).
     ``rejoin_window_s``: how long the survivors wait for each other to register before the membership is
-    closed (a survivor busy for longer when the peer fails is left out). A worker started later with
+    closed (a survivor busy for longer when the peer fails is left out). ``heartbeat_timeout_s``: a member
+    whose heartbeat (a store key each worker's thread bumps every 0.5 s) stood still this long while the
+    others waited for it (a stopped or hung process, whose connections stay open) is treated as lost, so
+    the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
     gradient_allreduce (flat, any compression), topk, gtopk, powersgd, and local_sgd/diloco with dense
     in-step syncs; other algorithms are refused. The rendezvous store must
@@ -188,7 +194,7 @@ class DistributedModel(DistributedDataParallel):
                  algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
                  group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True,
                  fault_tolerant: bool = False, min_workers: int = 1, on_membership_change=None,
-                 rejoin_window_s: float = 2.0):
+                 rejoin_window_s: float = 2.0, heartbeat_timeout_s: float = 10.0):
         torch.nn.Module.__init__(self)  # not DDP's: none of its machinery is built
         if isinstance(algorithm, str):
             from . import algorithms  # noqa: F401  (registers the built-ins)
@@ -224,7 +230,8 @@ class DistributedModel(DistributedDataParallel):
                     "DistributedModel: this process joins a running fault-tolerant job (bagua_lite.init_process_group"
                     "() found it in the store and made no process group): build the model with fault_tolerant=True "
                     "and no group=, as the job's other workers did")
-            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, None)
+            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, None,
+                                  heartbeat_timeout_s)
             membership = elastic.wait_for_admission(joining, rejoin_window_s)
             elastic.reform(joining, membership.generation, membership.members, membership.me,
                            *launch._JOIN["group"])
@@ -235,7 +242,8 @@ class DistributedModel(DistributedDataParallel):
         if not isinstance(fault_tolerant, bool):
             raise TypeError(f"DistributedModel: fault_tolerant must be True or False, got {fault_tolerant!r}")
         if fault_tolerant:
-            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size)
+            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size,
+                                  heartbeat_timeout_s)
 
         self.broadcast_buffers = bool(broadcast_buffers)
         self._check_same_config()
@@ -262,7 +270,8 @@ class DistributedModel(DistributedDataParallel):
             if self._failfast.store is None:
                 raise ValueError("DistributedModel: fault_tolerant=True needs the rendezvous store of the default "
                                  "process group (init it with a store, torchrun's or an init_method)")
-            self._elastic = elastic.Controller(self, min_workers, on_membership_change, rejoin_window_s, membership)
+            self._elastic = elastic.Controller(self, min_workers, on_membership_change, rejoin_window_s, membership,
+                                               heartbeat_timeout_s)
         self._no_tensor = torch.empty(0)
         self._engine_abandoned = False
         self._nonfinite_error = None
@@ -296,19 +305,31 @@ class DistributedModel(DistributedDataParallel):
 
     def _admit(self, joining: bool):
         """Fault tolerance, a joiner admitted (generation just formed): what a joiner's constructor sends
-        and receives, mirrored on every member (the config check, rank 0's parameters and buffers, then the
-        optimizer's state and the algorithm's shared state, which a joiner loads)."""
+        and receives, mirrored on every member, in the constructor's order: the config check, rank 0's
+        parameters and buffers, the algorithm's set-up on the new group (``init`` on the joiner, ``regroup``
+        on the members: it may make process groups), then the optimizer's state and the algorithm's shared
+        state, which a joiner loads."""
         if not joining:
             self._check_same_config()
-        self._share_state(0, receive=joining, weights=not joining)
+            self._share_weights(0, keep_own=self.algorithm.replicas_differ)
+            self.algorithm.regroup()
+            for b in self.buckets:
+                b.ops = list(self.algorithm.bucket_ops(b))
+        self._share_state(0, receive=joining, weights=False)
+
+    def _share_weights(self, src: int, keep_own: bool = False):
+        """Rank ``src``'s parameters and buffers to every rank (a collective); ``keep_own``: this rank
+        receives them into scratch copies and keeps its own (replicas that differ by design)."""
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                comm.broadcast(t.data.clone() if keep_own and self.rank != src else t.data, src,
+                               self.process_group)
 
     def _share_state(self, src: int, receive: bool, weights: bool = True):
         """Rank ``src``'s parameters and buffers (``weights``), optimizer state and algorithm shared state to
         every rank (a collective); ``receive``: this rank loads the latter two (a joiner, a survivor behind)."""
         if weights:
-            with torch.no_grad():
-                for t in list(self.module.parameters()) + list(self.module.buffers()):
-                    comm.broadcast(t.data, src, self.process_group)
+            self._share_weights(src)
         state = {"optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.shared_state_dict()} \
             if self.rank == src else None
         state = elastic.broadcast_state(state, self.process_group, src)
@@ -375,6 +396,9 @@ class DistributedModel(DistributedDataParallel):
                 self._failfast.check()
             except PeerFailedError as e:
                 self._elastic.recover(e, periodic="store")  # this step runs locally, optimizer.step() raises
+            margin = self.algorithm.store_admission_margin
+            if margin is not None and self._elastic.pending is None:
+                self._elastic.look_for_admission(margin)
         self._algorithm_hook(self.algorithm.before_forward)
 
     @torch.compiler.disable
@@ -730,7 +754,7 @@ class DistributedModel(DistributedDataParallel):
         self._unsynced = False
         self.algorithm.step += 1
         self._algorithm_hook(self.algorithm.after_step)
-        if self._elastic is not None and self._elastic.grow_after_step:
+        if self._elastic is not None and (self._elastic.grow_after_step or self._elastic.admits_now()):
             self._elastic.grow()  # a worker waits to join: the next step runs with it
 
     def _algorithm_hook(self, hook):

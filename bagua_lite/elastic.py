@@ -52,6 +52,7 @@ served outside the workers (each worker a client: ``TORCHELASTIC_USE_AGENT_STORE
 ``bagua_lite.init_process_group``); a store hosted by a worker (plain ``env://``: rank 0 serves it) dies with
 it, and then nothing can agree. Not under torchrun: its agent tears every worker down when one fails.
 """
+import threading
 import time
 
 import torch
@@ -59,6 +60,7 @@ import torch.distributed as dist
 
 KEY = "bagua_lite/ft"   # the job's membership keys, on the store of generation 0 (one fault-tolerant model per job)
 JOIN_POLL_S = 0.5       # how often rank 0 looks for workers waiting to join
+HEARTBEAT_S = 0.5       # how often each worker's heartbeat thread bumps its key
 
 
 class MembershipChanged(RuntimeError):
@@ -212,11 +214,59 @@ def wait_for_admission(base, window_s, poll_s=0.05):
         time.sleep(poll_s)
 
 
+class Heartbeat:
+    """This worker's pulse: a daemon thread bumps ``bagua_lite/ft/beat/<id>`` in the store every
+    ``HEARTBEAT_S`` seconds. A stopped process (SIGSTOP, a hung host) keeps its connections open, so its peers'
+    collectives would wait for the process group's timeout; its pulse stops, which :class:`PulseWatch` sees."""
+
+    def __init__(self, store, me):
+        self.store, self.key = store, f"{KEY}/beat/{me}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bagua_lite-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the store is gone with the job
+                return
+
+    def stop(self):
+        self._stop.set()
+
+
+class PulseWatch:
+    """Called at every poll while a member waits for its peers (``FailFast.watch``): raises
+    ``PeerFailedError`` naming a member whose heartbeat stood still for ``timeout_s`` seconds of waiting."""
+
+    def __init__(self, store, members, me, timeout_s):
+        self.store, self.timeout_s = store, timeout_s
+        self.seen = {m: (None, 0.0) for m in members if m != me}  # id -> (last count, when it last moved)
+
+    def __call__(self):
+        from ._failfast import PeerFailedError
+
+        now = time.monotonic()
+        for m, (count, since) in self.seen.items():
+            try:
+                now_count = int(self.store.add(f"{KEY}/beat/{m}", 0))
+            except Exception:  # noqa: BLE001 - the store will say more at the next membership change
+                return
+            if now_count != count:
+                self.seen[m] = (now_count, now)
+            elif now - since > self.timeout_s:
+                raise PeerFailedError(
+                    f"bagua_lite: member {m}'s heartbeat stood still for {now - since:.1f} s while this rank waited "
+                    f"for it (heartbeat_timeout_s={self.timeout_s}): a stopped or hung process, treated as lost")
+
+
 class Controller:
     """What ``DistributedModel(..., fault_tolerant=True)`` adds to the model: the membership, the step to
     discard (``pending``, raised by ``optimizer.step()``) and :meth:`recover`."""
 
-    def __init__(self, model, min_workers, on_membership_change, rejoin_window_s, membership=None):
+    def __init__(self, model, min_workers, on_membership_change, rejoin_window_s, membership=None,
+                 heartbeat_timeout_s=10.0):
         from ._failfast import FailFast
         from ._groups import group_timeout
 
@@ -247,8 +297,12 @@ class Controller:
             model._failfast = FailFast(model.rank, f"{KEY}/gen{membership.generation}/failed")
         self.membership = membership
         self.base = membership.store
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.heartbeat = Heartbeat(self.base, membership.me)
+        self._watch(membership.members)
         self.next_join_check = 0.0
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
+        self.admit_at = None  # store admission (Algorithm.store_admission_margin): the step count to admit at
         self.pending = None       # the MembershipChanged that this step's optimizer.step() raises
         self.comm_error = None    # the last exception of the model's own step-control collective
         #: the last recovery: when it started (time.time()), seconds to agree on the members, seconds to
@@ -345,11 +399,16 @@ class Controller:
         from ._failfast import FailFast
 
         m = self.model
+        self.admit_at = None  # a store admission posted for the last generation does not carry over
         pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout)
         m.process_group, m.rank, m.world_size = pg, pg.rank(), pg.size()
         m._failfast = FailFast(m.rank, f"{KEY}/gen{g}/failed")
+        self._watch(members)
         if m.rank == 0:
             self.base.set(f"{KEY}/generation", str(g))
+
+    def _watch(self, members):
+        self.model._failfast.watch = PulseWatch(self.base, members, self.membership.me, self.heartbeat_timeout_s)
 
     def joiners_waiting(self) -> int:
         """Rank 0: the number of workers waiting to join, looked up at most every JOIN_POLL_S (0 between);
@@ -361,6 +420,29 @@ class Controller:
             return max(0, self.membership.waiting())
         except Exception:  # noqa: BLE001 - the store will say more at the next membership change
             return 0
+
+    def look_for_admission(self, margin):
+        """Store admission, once per step before its forward (algorithms with no collective of all ranks
+        in their steps, whose ``store_admission_margin`` is ``margin``): rank 0, seeing joiners wait, posts
+        the step count to admit them at, ``margin`` steps past its own; every member reads it (one store
+        round trip while none is posted) and admits them after ``optimizer.step()`` reaches it."""
+        if self.admit_at is not None:
+            return
+        key, step = f"{KEY}/gen{self.membership.generation}/admit_at", self.model.algorithm.step
+        if self.joiners_waiting():
+            self.base.compare_set(key, "", str(step + margin))  # rank 0 only: the first post stands
+        if self.base.check([key]):
+            self.admit_at = int(self.base.get(key))
+            if step >= self.admit_at:
+                msg = (f"bagua_lite: this rank (global {self.membership.me}) is at step {step}, already past step "
+                       f"{self.admit_at} at which rank 0 admits a joiner ({margin} steps past its own when it saw "
+                       f"it): the members cannot form the new group at one step. Restart from a checkpoint")
+                self.model._failfast.announce(msg)
+                raise MembershipError(msg)
+
+    def admits_now(self) -> bool:
+        """After ``optimizer.step()``: store admission's step is reached."""
+        return self.admit_at is not None and self.model.algorithm.step == self.admit_at
 
     def grow(self):
         """After ``optimizer.step()`` of a step whose agreement said joiners wait: every member and the
@@ -381,16 +463,14 @@ class Controller:
             members = mb.read(g)
         mb.generation, mb.members = g, members
         self._use(g, members)
-        alg.regroup()
-        for b in m.buckets:
-            b.ops = list(alg.bucket_ops(b))
-        m._admit(joining=False)
+        m._admit(joining=False)  # regroups the algorithm where the joiner's constructor sets it up
         self.last_join = {"members": members, "seconds": time.monotonic() - t0}
         if self.callback is not None:
             self.callback(old_world, m.world_size)
 
     def close(self):
         """The model is closed: workers still waiting to join are told the job has ended (rank 0)."""
+        self.heartbeat.stop()
         if self.model.rank == 0:
             try:
                 self.base.set(f"{KEY}/closed", "1")

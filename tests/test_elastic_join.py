@@ -31,6 +31,11 @@ from cluster import _context
 from test_elastic_membership import _batch, _flat, _join, _net
 
 STEPS = 18
+STEPS_OF = {"decentralized": 30}  # its joiners are admitted interval * (P + 2) steps after rank 0 sees them
+
+
+def _steps(algo):
+    return STEPS_OF.get(algo, STEPS)
 
 
 def _digest(net):
@@ -52,7 +57,7 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
 
     def changed(old, new):
         res["changes"].append((old, new, model.algorithm.step if model_box else None))  # None: in the constructor
-        if model_box and new > old:  # a join completed: the state the reference starts from
+        if model_box:  # the last change's state: the state a reference run starts from
             res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
     model_box = []
     model = bagua_lite.DistributedModel(net, opt, build(algo, **options), bucket_size_mb=0.001,
@@ -63,7 +68,7 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
         res["joined_at"] = model.algorithm.step
         res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
         res["admitted_s"] = time.time() - started
-    while model.algorithm.step < STEPS:
+    while model.algorithm.step < _steps(algo):
         s = model.algorithm.step
         if me == rank and kill_at.get(rank) == s and not replacement:
             store.set(f"killed/{rank}", repr(time.time()))
@@ -99,7 +104,7 @@ def _reference(rank, P, port, out, algo, options, members, start):
     net.load_state_dict(snap["module"])
     opt.load_state_dict(snap["optimizer"])
     model.load_algorithm_state_dict(snap["algorithm"])
-    while model.algorithm.step < STEPS:
+    while model.algorithm.step < _steps(algo):
         x, y = _batch(me, model.algorithm.step)
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -350,3 +355,63 @@ def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, opt
             got = joiner["weights"] if me == P else res[me]["weights"]
             ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
             assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
+
+
+DECENTRALIZED = [  # (options, P, {rank: step it is killed at}, replaced)
+    ({"peer_selection": "ring"}, 5, {2: 4}, False),
+    ({"peer_selection": "ring"}, 4, {0: 3, 2: 11}, False),  # two kills, rank 0 first: 4 -> 3 -> 2
+    ({"peer_selection": "shift_one", "communication_interval": 2}, 4, {1: 5}, False),
+    ({"peer_selection": "ring"}, 4, {1: 3}, True),
+    ({"peer_selection": "all"}, 3, {0: 4}, True),
+]
+
+
+@pytest.mark.parametrize("options,P,kills,replaced", DECENTRALIZED,
+                         ids=[f"{o['peer_selection']}-P{P}-kill{len(k)}{'-join' if j else ''}"
+                              for o, P, k, j in DECENTRALIZED])
+def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, kills, replaced):
+    """Decentralized SGD has no collective of all ranks: a neighbour of the lost worker meets the loss in
+    its exchange, the others at their next step's look at the store. The survivors keep their own weights
+    (replicas differ by design), drop the exchange in flight where it had not completed, take the furthest
+    survivor's step and exchange counts, and re-form the ring. A replacement is admitted at the step rank 0
+    posts in the store and starts from rank 0's weights; the members keep theirs. After the last change the
+    run is bit for bit a fresh run of its members from the state each had then."""
+    algo, steps = "decentralized", _steps("decentralized")
+    out = tempfile.mkdtemp(prefix="bagua_lite_decentralized_")
+    store, codes = _run(P, _worker, (out, algo, options, kills), replace=list(kills) if replaced else [])
+    for r in kills:
+        assert codes.pop(r) == -signal.SIGKILL, codes
+    assert set(codes.values()) == {0}, codes
+    survivors = [r for r in range(P) if r not in kills]
+    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+    members = survivors + ([P] if replaced else [])
+    for r, x in res.items():
+        assert len(x["discarded"]) == len(kills), (r, x["discarded"], x.get("messages"))  # one per loss
+        assert [c[:2] for c in x["changes"]] == [(P - i, P - i - 1) for i in range(len(kills))] + \
+            ([(P - len(kills), P - len(kills) + 1)] if replaced else []), x["changes"]
+        assert x["members"] == members and x["world"] == len(members)
+    # every survivor left each change at the same step count (the furthest one's)
+    starts = {res[r]["snap"][0] for r in survivors}
+    assert len(starts) == 1, starts
+    start = starts.pop()
+    assert max(kills.values()) <= start < steps, (start, kills)
+    if replaced:
+        joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+        assert joiner["joined_at"] == start and joiner["members"] == members
+        assert sorted(joiner["digests"]) == list(range(start, steps))
+        src, mine = res[survivors[0]]["snap"][1], joiner["snap"][1]
+        for k, v in src["module"].items():  # rank 0's weights and optimizer state
+            assert torch.equal(v, mine["module"][k]), k
+        for i, st in src["optimizer"]["state"].items():
+            assert torch.equal(st["momentum_buffer"], mine["optimizer"]["state"][i]["momentum_buffer"]), i
+        assert mine["algorithm"]["exchanges"] == src["algorithm"]["exchanges"]
+        # the members kept their own weights: they still differ from rank 0's (not overwritten by the join)
+        for r in survivors[1:]:
+            other = res[r]["snap"][1]["module"]
+            assert any(not torch.equal(v, other[k]) for k, v in src["module"].items()), r
+    _, ref_codes = _run(len(members), _reference, (out, algo, options, members, start), replace=None)
+    assert set(ref_codes.values()) == {0}, ref_codes
+    for me in members:
+        got = joiner["weights"] if me == P else res[me]["weights"]
+        ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
+        assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
