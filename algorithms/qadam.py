@@ -59,6 +59,14 @@ class QAdam(Algorithm):
     def step_dependent_wire(self):
         return self.warmup_steps > 0  # what travels changes when the warm-up ends
 
+    #: fault tolerance: the optimizer's m and frozen v change only in a kept round's step (the same on every
+    #: rank, so a joiner takes them from rank 0 with the optimizer's state); the residuals are per rank and
+    #: put back with a discarded round
+    supports_membership_change = True
+
+    def regroup(self):
+        self._synced = False  # the discarded round's
+
     def init(self, model):
         self.adam = FrozenAdam(model.optimizer, {p for b in model.buckets for p in b.params})
         self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]

@@ -38,7 +38,12 @@ Hooks, in the order of one training step:
 ``regroup()``              only with ``fault_tolerant=True``, after a peer was lost: the model runs on a new
                            process group (its ``process_group``, ``rank``, ``world_size``) and the round in
                            flight was discarded; forget transient per-round state (the framework then asks
-                           ``bucket_ops`` again). Algorithms that support it set ``supports_membership_change``
+                           ``bucket_ops`` again). Algorithms that support it set ``supports_membership_change``;
+                           one that communicates in ``after_step`` sets ``heals_itself`` and brings the
+                           survivors together in ``heal()`` (a collective on the new group; DiLoCo's and
+                           decentralized's are examples), one whose replicas differ sets ``replicas_differ``
+                           (a joiner takes rank 0's weights, members keep theirs), and one with no
+                           collective of all ranks in its steps sets ``store_admission_margin``
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
 ``state_dict()`` / ``load_state_dict()``  checkpointed state that is not a list of tensors (counters, an

@@ -92,8 +92,8 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, 
         raise ValueError(
             f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
             f"compression), topk, gtopk, powersgd, local_sgd/diloco with dense in-step syncs (no overlap, no "
-            f"compression) and decentralized without compression; got {algorithm.name} ({algorithm!r}). "
-            f"Asynchronous averaging, qadam and auto are not supported yet")
+            f"compression), decentralized without compression and qadam; got {algorithm.name} ({algorithm!r}). "
+            f"Asynchronous averaging and auto are not supported yet")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
         raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "

@@ -8,8 +8,10 @@
             pass                      # this step was discarded on every survivor; the next one runs
         opt.zero_grad()
 
-When a peer dies (its collective raises on a neighbour, which tells the others through the fail-fast key),
-every survivor, in whatever call of the step it learns it (forward, backward):
+When a peer dies (its collective raises on a neighbour, which tells the others through the fail-fast key;
+a stopped one, whose connections stay open, once its heartbeat, a store key its thread bumps every
+``HEARTBEAT_S``, stood still for ``heartbeat_timeout_s`` while a survivor waited for it), every survivor,
+in whatever call of the step it learns it (forward, backward):
 
 1. discards the step in flight: the algorithm's ``register_state(..., rollback=True)`` tensors are put
    back, the algorithm's own transient state is reset (``Algorithm.regroup``), the buckets are zeroed, the
@@ -26,15 +28,18 @@ every survivor, in whatever call of the step it learns it (forward, backward):
    kept (error-feedback residuals, Top-k/gTop-k residuals and momenta, PowerSGD's residuals and Q's);
 4. calls ``on_membership_change(old_world_size, new_world_size)`` (learning rate, data sharding), and
    ``optimizer.step()`` of that step raises :class:`MembershipChanged`: catch it and go on with the next
-   batch. An algorithm that syncs in ``after_step`` (local SGD, DiLoCo: ``heals_itself``) keeps that
-   step's update and finishes its round in ``heal()`` instead.
+   batch. An algorithm that syncs in ``after_step`` (local SGD, DiLoCo, decentralized: ``heals_itself``)
+   keeps that step's update and brings its survivors together in ``heal()`` instead (DiLoCo finishes its
+   round; decentralized drops the exchange in flight and moves step counts to the furthest survivor's).
 
 Joining (a replacement, or one more worker): a process started later with the same environment and
 ``bagua_lite.init_process_group()`` finds the job running (the store's ``bagua_lite/ft/open``) and makes no
 process group; its ``DistributedModel(..., fault_tolerant=True)`` registers and waits. Rank 0 of the
 members sees the registration at most every ``JOIN_POLL_S`` seconds and says so in the step agreement it
 sends anyway, so every member learns it at the same step; after that step's ``optimizer.step()`` every
-member and the joiners form the next generation's process group, and rank 0 sends the joiners the
+member and the joiners form the next generation's process group (an algorithm with no collective of all
+ranks in its steps, decentralized, admits them instead at a step rank 0 posts in the store:
+``Algorithm.store_admission_margin``), and rank 0 sends the joiners the
 module's parameters and buffers, the optimizer's state (and param groups) and the algorithm's shared
 state (its step count, and what it registered with ``shared=True``); a joiner's per-rank state (residuals,
 momenta) starts empty, as a new worker's. No step is discarded; the members pause for the new group and
@@ -229,8 +234,8 @@ class Heartbeat:
         while not self._stop.wait(HEARTBEAT_S):
             try:
                 self.store.add(self.key, 1)
-            except Exception:  # noqa: BLE001 - the store is gone with the job
-                return
+            except Exception:  # noqa: BLE001 - a slow or unreachable store: try again at the next beat (a
+                pass           # thread that stopped here would have its live worker taken for a lost one)
 
     def stop(self):
         self._stop.set()

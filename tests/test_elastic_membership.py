@@ -295,7 +295,7 @@ def _refusals(rank, P, port, out):
     for name, options in (("decentralized", {"compression": "minmax_uint8"}),
                           ("local_sgd", {"compression": "minmax_uint8"}),
                           ("diloco", {"overlap": 1, "period": 4}), ("async_model_average", {}),
-                          ("gradient_allreduce", {"hierarchical": True}), ("qadam", {})):
+                          ("gradient_allreduce", {"hierarchical": True}), ("auto", {})):
         try:
             bagua_lite.DistributedModel(net, opt, build(name, **options), fault_tolerant=True).close()
             errors[name] = None
