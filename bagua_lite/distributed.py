@@ -234,7 +234,8 @@ class DistributedModel(DistributedDataParallel):
                                   heartbeat_timeout_s)
             membership = elastic.wait_for_admission(joining, rejoin_window_s)
             elastic.reform(joining, membership.generation, membership.members, membership.me,
-                           *launch._JOIN["group"])
+                           *launch._JOIN["group"], watch=elastic.PulseWatch(joining, membership.members,
+                                                                             membership.me, heartbeat_timeout_s))
             broadcast_parameters = True  # the members send theirs (DistributedModel._admit)
         self.process_group = resolve_group(group, "DistributedModel")
         self.rank = self.process_group.rank()

@@ -140,14 +140,37 @@ class Membership:
         return members
 
 
-def reform(base, g, members, me, backend, timeout):
+def reform(base, g, members, me, backend, timeout, watch=None):
     """Generation ``g``'s default process group over ``members`` (ids; this process is ``me``): the old
     default group (and every group made from it) destroyed, a new one made by the members only on a store
-    prefix of its own, with the old backend and timeout."""
+    prefix of its own, with the old backend and timeout. ``watch`` (a :class:`PulseWatch` of the members):
+    called every half second while gloo connects, so a member that dies or stops now raises
+    :class:`MembershipError` within the heartbeat timeout instead of holding the others for the group's."""
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(backend, store=dist.PrefixStore(f"{KEY}/gen{g}", base), rank=members.index(me),
-                            world_size=len(members), timeout=timeout)
+
+    def connect():
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{KEY}/gen{g}", base), rank=members.index(me),
+                                world_size=len(members), timeout=timeout)
+    if watch is None:
+        connect()
+        return dist.group.WORLD
+    from ._failfast import POLL_S, PeerFailedError
+    from ._worker import Worker
+
+    done = threading.Event()
+    worker = Worker("bagua_lite-reform")
+    worker.submit(connect, done)
+    while not done.wait(POLL_S):
+        try:
+            watch()
+        except PeerFailedError as e:  # the connecting thread is left to the group's timeout
+            raise MembershipError(f"bagua_lite: a member was lost again while the members {members} formed "
+                                  f"generation {g}'s process group: {e}. Restart from a checkpoint") from e
+    error = worker.take_error()
+    if error is not None:
+        raise error
+    worker.stop()
     return dist.group.WORLD
 
 
@@ -204,8 +227,10 @@ def wait_for_admission(base, window_s, poll_s=0.05):
     for the generation that lists it. Returns its Membership (the caller makes the process group)."""
     me = int(base.get(f"{KEY}/world0")) + int(base.add(f"{KEY}/joined", 1)) - 1
     g = int(base.get(f"{KEY}/generation")) + 1
+    heartbeat = Heartbeat(base, me)  # from now on: the members watch it while they connect with it
     while True:
         if base.check([f"{KEY}/closed"]):
+            heartbeat.stop()
             raise MembershipError(f"bagua_lite: the job this worker was to join has ended (its model was closed) "
                                   f"before admitting it (joiner id {me})")
         if base.check([f"{KEY}/gen{g}/members"]):
@@ -213,10 +238,21 @@ def wait_for_admission(base, window_s, poll_s=0.05):
             members = membership.read(g)
             if me in members:
                 membership.members = members
+                membership.heartbeat = heartbeat
                 return membership
             g += 1
             continue
         time.sleep(poll_s)
+
+
+def _own_client(store):
+    """A client of ``store`` of its own (``Store.clone``): a store client serves one call at a time, so the
+    heartbeat and the watch must not queue behind a blocking call of another thread (gloo's rendezvous
+    waits in ``get`` until every member has written its address)."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 - a store without clone: the shared client, which then may queue
+        return store
 
 
 class Heartbeat:
@@ -225,7 +261,7 @@ class Heartbeat:
     collectives would wait for the process group's timeout; its pulse stops, which :class:`PulseWatch` sees."""
 
     def __init__(self, store, me):
-        self.store, self.key = store, f"{KEY}/beat/{me}"
+        self.store, self.key = _own_client(store), f"{KEY}/beat/{me}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bagua_lite-heartbeat", daemon=True)
         self._thread.start()
@@ -246,7 +282,7 @@ class PulseWatch:
     ``PeerFailedError`` naming a member whose heartbeat stood still for ``timeout_s`` seconds of waiting."""
 
     def __init__(self, store, members, me, timeout_s):
-        self.store, self.timeout_s = store, timeout_s
+        self.store, self.timeout_s = _own_client(store), timeout_s
         self.seen = {m: (None, 0.0) for m in members if m != me}  # id -> (last count, when it last moved)
 
     def __call__(self):
@@ -303,7 +339,7 @@ class Controller:
         self.membership = membership
         self.base = membership.store
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.heartbeat = Heartbeat(self.base, membership.me)
+        self.heartbeat = getattr(membership, "heartbeat", None) or Heartbeat(self.base, membership.me)
         self._watch(membership.members)
         self.next_join_check = 0.0
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
@@ -405,7 +441,8 @@ class Controller:
 
         m = self.model
         self.admit_at = None  # a store admission posted for the last generation does not carry over
-        pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout)
+        pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout,
+                    PulseWatch(self.base, members, self.membership.me, self.heartbeat_timeout_s))
         m.process_group, m.rank, m.world_size = pg, pg.rank(), pg.size()
         m._failfast = FailFast(m.rank, f"{KEY}/gen{g}/failed")
         self._watch(members)
@@ -460,11 +497,16 @@ class Controller:
         if m.rank == 0:
             members = mb.grown()
         else:
-            try:
-                self.base.wait([f"{KEY}/gen{g}/members"], self.timeout)
-            except Exception as e:  # noqa: BLE001 - the store's timeout error
-                raise MembershipError(f"bagua_lite: rank 0 did not publish generation {g}'s members within the "
-                                      f"group timeout while admitting a joiner: {e}") from e
+            from ._failfast import PeerFailedError
+
+            watch = PulseWatch(self.base, mb.members, mb.me, self.heartbeat_timeout_s)
+            while not self.base.check([f"{KEY}/gen{g}/members"]):  # rank 0 publishes them at once
+                try:
+                    watch()
+                except PeerFailedError as e:
+                    raise MembershipError(f"bagua_lite: rank 0 did not publish generation {g}'s members while "
+                                          f"admitting a joiner: {e}. Restart from a checkpoint") from e
+                time.sleep(Membership.POLL_S)
             members = mb.read(g)
         mb.generation, mb.members = g, members
         self._use(g, members)
@@ -477,8 +519,8 @@ class Controller:
         """The model is closed: workers still waiting to join are told the job has ended (rank 0)."""
         self.heartbeat.stop()
         if self.model.rank == 0:
-            try:
-                self.base.set(f"{KEY}/closed", "1")
+            try:  # on the heartbeat's own client: the shared one may be held by a failed rendezvous
+                self.heartbeat.store.set(f"{KEY}/closed", "1")
             except Exception:  # noqa: BLE001 - the store may be gone with the job
                 pass
 

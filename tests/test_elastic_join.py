@@ -151,6 +151,29 @@ def _run(P, fn, args, replace=(), deadline_s=90):
     return store, {name: p.exitcode for name, p in procs.items()}
 
 
+def _killed_run(prefix, P, algo, options, kills, replaced):
+    """P workers, each of ``kills`` SIGKILLed at its step (and replaced if ``replaced``); every other worker
+    must end well. Returns (output dir, survivors, {survivor: its result})."""
+    out = tempfile.mkdtemp(prefix=prefix)
+    _, codes = _run(P, _worker, (out, algo, options, kills), replace=list(kills) if replaced else [])
+    for r in kills:
+        assert codes.pop(r) == -signal.SIGKILL, codes
+    assert set(codes.values()) == {0}, codes
+    survivors = [r for r in range(P) if r not in kills]
+    return out, survivors, {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+
+
+def _assert_a_fresh_run_ends_alike(out, algo, options, members, start, results):
+    """The strong check: ``members`` started afresh at their number from the state each had at step ``start``
+    end with the weights of ``results`` ({member id: its result}) bit for bit."""
+    _, ref_codes = _run(len(members), _reference, (out, algo, options, members, start), replace=None)
+    assert set(ref_codes.values()) == {0}, ref_codes
+    for me in members:
+        got = results[me]["weights"]
+        ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
+        assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
+
+
 CASES = [  # (algorithm, options, P, rank killed, step it is killed at)
     ("gradient_allreduce", {}, 4, 2, 3),
     ("gradient_allreduce", {"compression": "sign"}, 3, 0, 4),  # rank 0 dies: a survivor sends the state
@@ -164,12 +187,7 @@ CASES = [  # (algorithm, options, P, rank killed, step it is killed at)
 @pytest.mark.parametrize("algo,options,P,victim,kill_step", CASES,
                          ids=[f"{a}{'-' + '-'.join(map(str, o.values())) if o else ''}-P{P}" for a, o, P, _, _ in CASES])
 def test_a_replacement_joins_and_trains_bit_identical_to_a_fresh_run(algo, options, P, victim, kill_step):
-    out = tempfile.mkdtemp(prefix="bagua_lite_join_")
-    store, codes = _run(P, _worker, (out, algo, options, {victim: kill_step}), replace=[victim])
-    assert codes.pop(victim) == -signal.SIGKILL, codes
-    assert set(codes.values()) == {0}, codes
-    survivors = [r for r in range(P) if r != victim]
-    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+    out, survivors, res = _killed_run("bagua_lite_join_", P, algo, options, {victim: kill_step}, True)
     joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)  # ids go on from P
     start = joiner["joined_at"]
     assert kill_step < start < STEPS, (kill_step, start)  # admitted while the others trained
@@ -201,12 +219,7 @@ def test_a_replacement_joins_and_trains_bit_identical_to_a_fresh_run(algo, optio
     del fresh
     for s in range(start, STEPS):  # replicas bit-identical from the join on
         assert len({res[r]["digests"][s] for r in survivors} | {joiner["digests"][s]}) == 1, s
-    _, ref_codes = _run(P, _reference, (out, algo, options, members, start), replace=None)
-    assert set(ref_codes.values()) == {0}, ref_codes
-    for me in members:
-        got = joiner["weights"] if me == P else res[me]["weights"]
-        ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
-        assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
+    _assert_a_fresh_run_ends_alike(out, algo, options, members, start, {**res, P: joiner})
     print(f"\n{algo} {options} P={P}: replacement admitted at step {start} (killed at {kill_step}), "
           f"{joiner['admitted_s']:.2f} s from its start to admitted, {joiner['first_step_s']:.2f} s to its first step")
 
@@ -329,14 +342,8 @@ def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, opt
     """Local steps run no collective, so the survivors meet the loss in the next sync (after the optimizer's
     update of that step, which is kept) and finish that sync among themselves: nothing of any survivor's
     work is lost. A replacement is admitted at a later sync and takes the state from rank 0."""
-    out = tempfile.mkdtemp(prefix="bagua_lite_periodic_")
     period = options["period"]
-    store, codes = _run(P, _worker, (out, algo, options, kills), replace=list(kills) if replaced else [])
-    for r in kills:
-        assert codes.pop(r) == -signal.SIGKILL, codes
-    assert set(codes.values()) == {0}, codes
-    survivors = [r for r in range(P) if r not in kills]
-    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+    out, survivors, res = _killed_run("bagua_lite_periodic_", P, algo, options, kills, replaced)
     warm = options.get("warmup_steps", 0)
     sync_steps = [i for i in range(STEPS) if i + 1 > warm and (i + 1 - warm) % period == 0]
     syncs = [min(i for i in sync_steps if i >= k) for k in sorted(kills.values())]  # the steps whose sync failed
@@ -356,13 +363,7 @@ def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, opt
         assert joiner["members"] == members and sorted(joiner["digests"]) == list(range(start, STEPS))
         for r in survivors:
             assert res[r]["snap"][0] == start
-        # the strong check: the members afresh from the state each had when the join completed
-        _, ref_codes = _run(len(members), _reference, (out, algo, options, members, start), replace=None)
-        assert set(ref_codes.values()) == {0}, ref_codes
-        for me in members:
-            got = joiner["weights"] if me == P else res[me]["weights"]
-            ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
-            assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
+        _assert_a_fresh_run_ends_alike(out, algo, options, members, start, {**res, P: joiner})
 
 
 DECENTRALIZED = [  # (options, P, {rank: step it is killed at}, replaced)
@@ -385,13 +386,7 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, ki
     posts in the store and starts from rank 0's weights; the members keep theirs. After the last change the
     run is bit for bit a fresh run of its members from the state each had then."""
     algo, steps = "decentralized", _steps("decentralized")
-    out = tempfile.mkdtemp(prefix="bagua_lite_decentralized_")
-    store, codes = _run(P, _worker, (out, algo, options, kills), replace=list(kills) if replaced else [])
-    for r in kills:
-        assert codes.pop(r) == -signal.SIGKILL, codes
-    assert set(codes.values()) == {0}, codes
-    survivors = [r for r in range(P) if r not in kills]
-    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in survivors}
+    out, survivors, res = _killed_run("bagua_lite_decentralized_", P, algo, options, kills, replaced)
     members = survivors + ([P] if replaced else [])
     for r, x in res.items():
         assert len(x["discarded"]) == len(kills), (r, x["discarded"], x.get("messages"))  # one per loss
@@ -404,7 +399,7 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, ki
     start = starts.pop()
     assert max(kills.values()) <= start < steps, (start, kills)
     if replaced:
-        joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+        joiner = res[P] = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
         assert joiner["joined_at"] == start and joiner["members"] == members
         assert sorted(joiner["digests"]) == list(range(start, steps))
         src, mine = res[survivors[0]]["snap"][1], joiner["snap"][1]
@@ -417,9 +412,4 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, ki
         for r in survivors[1:]:
             other = res[r]["snap"][1]["module"]
             assert any(not torch.equal(v, other[k]) for k, v in src["module"].items()), r
-    _, ref_codes = _run(len(members), _reference, (out, algo, options, members, start), replace=None)
-    assert set(ref_codes.values()) == {0}, ref_codes
-    for me in members:
-        got = joiner["weights"] if me == P else res[me]["weights"]
-        ref = torch.load(os.path.join(out, f"reference_{me}.pt"), weights_only=False)
-        assert torch.equal(got, ref), f"member {me}: max |diff| {(got - ref).abs().max().item()}"
+    _assert_a_fresh_run_ends_alike(out, algo, options, members, start, res)

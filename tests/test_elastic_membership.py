@@ -230,6 +230,36 @@ def test_a_stopped_worker_is_left_out_when_its_heartbeat_stops(algo, options):
           f"completed step (group timeout 1800 s, heartbeat timeout 3 s, rejoin window 2 s)")
 
 
+def _dies_while_re_forming(rank, P, port, out):
+    """_train, except that rank 1 dies as the survivors of the first loss connect their new group."""
+    if rank == 1:
+        from bagua_lite import elastic
+
+        connect = elastic.reform
+
+        def reform(base, g, *args, **kwargs):
+            if g == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return connect(base, g, *args, **kwargs)
+        elastic.reform = reform
+    _train(rank, P, port, out, "gradient_allreduce", {}, {2: 3}, 1, 2.0, False, signal.SIGKILL, 1800, 3.0)
+
+
+def test_a_member_lost_while_the_survivors_re_form_is_an_error_not_a_hang():
+    """A second loss in the second or so the survivors spend connecting their new group: the dead member
+    never joins gloo's rendezvous, which would hold the others for the group's timeout (30 minutes here).
+    They watch its heartbeat while they connect and raise MembershipError instead."""
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    _, codes = _launch(4, _dies_while_re_forming, out)
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL, 0], codes
+    for r in (0, 3):
+        res = torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False)
+        assert res["error"] is not None, f"rank {r} did not raise"
+        msg = res["error"][0]
+        assert "lost again while the members [0, 1, 3] formed generation 1" in msg and "heartbeat" in msg, msg
+        assert res["steps"] == 3, res["steps"]  # nothing of the failed step applied
+
+
 def test_fewer_than_min_workers_raises_on_every_survivor():
     out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
     store, codes = _launch(4, _train, out, "gradient_allreduce", {}, {1: 3}, 4, 2.0)
