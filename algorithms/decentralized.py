@@ -55,6 +55,9 @@ class Decentralized(Gossip):
 
     def init(self, model):
         super().init(model)
+        self._receive_buffers()
+
+    def _receive_buffers(self):
         self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(self.peers.senders)]
 
     # ---- fault tolerance (DistributedModel(..., fault_tolerant=True)) ---------------------------------------
@@ -83,7 +86,7 @@ class Decentralized(Gossip):
         """The ring re-forms over the new group: peers and their process groups made again."""
         self._works, self._step_works = None, []
         self.peers = Peers(self.model, self.peer_selection)
-        self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(self.peers.senders)]
+        self._receive_buffers()
 
     def shared_state_dict(self):
         return {**super().shared_state_dict(), "exchanges": self.exchanges}

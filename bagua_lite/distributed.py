@@ -145,8 +145,8 @@ class DistributedModel(DistributedDataParallel):
     others waited for it (a stopped or hung process, whose connections stay open) is treated as lost, so
     the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
-    gradient_allreduce (flat, any compression), topk, gtopk, powersgd, and local_sgd/diloco with dense
-    in-step syncs; other algorithms are refused. The rendezvous store must
+    gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco with dense
+    in-step syncs and decentralized without compression; other algorithms are refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 
@@ -234,8 +234,8 @@ class DistributedModel(DistributedDataParallel):
                                   heartbeat_timeout_s)
             membership = elastic.wait_for_admission(joining, rejoin_window_s)
             elastic.reform(joining, membership.generation, membership.members, membership.me,
-                           *launch._JOIN["group"], watch=elastic.PulseWatch(joining, membership.members,
-                                                                             membership.me, heartbeat_timeout_s))
+                           *launch._JOIN["group"], watch=elastic.PulseWatch(
+                               membership.heartbeat.store, membership.members, membership.me, heartbeat_timeout_s))
             broadcast_parameters = True  # the members send theirs (DistributedModel._admit)
         self.process_group = resolve_group(group, "DistributedModel")
         self.rank = self.process_group.rank()

@@ -279,10 +279,11 @@ class Heartbeat:
 
 class PulseWatch:
     """Called at every poll while a member waits for its peers (``FailFast.watch``): raises
-    ``PeerFailedError`` naming a member whose heartbeat stood still for ``timeout_s`` seconds of waiting."""
+    ``PeerFailedError`` naming a member whose heartbeat stood still for ``timeout_s`` seconds of waiting.
+    ``store``: a client no other thread blocks (this worker's :class:`Heartbeat`'s, whose calls are short)."""
 
     def __init__(self, store, members, me, timeout_s):
-        self.store, self.timeout_s = _own_client(store), timeout_s
+        self.store, self.timeout_s = store, timeout_s
         self.seen = {m: (None, 0.0) for m in members if m != me}  # id -> (last count, when it last moved)
 
     def __call__(self):
@@ -340,7 +341,7 @@ class Controller:
         self.base = membership.store
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat = getattr(membership, "heartbeat", None) or Heartbeat(self.base, membership.me)
-        self._watch(membership.members)
+        model._failfast.watch = self._pulse_watch(membership.members)
         self.next_join_check = 0.0
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
         self.admit_at = None  # store admission (Algorithm.store_admission_margin): the step count to admit at
@@ -441,16 +442,16 @@ class Controller:
 
         m = self.model
         self.admit_at = None  # a store admission posted for the last generation does not carry over
-        pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout,
-                    PulseWatch(self.base, members, self.membership.me, self.heartbeat_timeout_s))
+        watch = self._pulse_watch(members)
+        pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout, watch)
         m.process_group, m.rank, m.world_size = pg, pg.rank(), pg.size()
         m._failfast = FailFast(m.rank, f"{KEY}/gen{g}/failed")
-        self._watch(members)
+        m._failfast.watch = watch
         if m.rank == 0:
             self.base.set(f"{KEY}/generation", str(g))
 
-    def _watch(self, members):
-        self.model._failfast.watch = PulseWatch(self.base, members, self.membership.me, self.heartbeat_timeout_s)
+    def _pulse_watch(self, members):
+        return PulseWatch(self.heartbeat.store, members, self.membership.me, self.heartbeat_timeout_s)
 
     def joiners_waiting(self) -> int:
         """Rank 0: the number of workers waiting to join, looked up at most every JOIN_POLL_S (0 between);
@@ -499,7 +500,7 @@ class Controller:
         else:
             from ._failfast import PeerFailedError
 
-            watch = PulseWatch(self.base, mb.members, mb.me, self.heartbeat_timeout_s)
+            watch = self._pulse_watch(mb.members)
             while not self.base.check([f"{KEY}/gen{g}/members"]):  # rank 0 publishes them at once
                 try:
                     watch()
