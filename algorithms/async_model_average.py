@@ -20,6 +20,14 @@ thread exits, so ranks may close at different times (a rank closing later trains
 a timeout) raises on the training thread at its next forward or step. How the thread writes the weights
 and holds L: :mod:`._averaging_thread`. The averaging group is made with ``new_group``, so every rank of
 the default group must build the model (the usual whole-world case).
+
+Fault tolerance (``DistributedModel(..., fault_tolerant=True)``): the ranks share no step boundary, so a
+lost peer is found before a forward (a survivor's thread raised and it said so in the store, or the lost
+peer's heartbeat stood still), and that step is discarded. The survivors abandon their threads (a round in
+flight never applies), average their weights once on the new group (dense: every replica and anchor equal
+again) and start a new thread at their next step. Joiners ride in the go-on flag: every thread ends in the
+same round, each member admits them at its next step boundary, a joiner starts from rank 0's weights and
+optimizer state, and the members and joiners average their weights once, as after a loss.
 """
 import torch.distributed as dist
 
@@ -36,6 +44,12 @@ from ._averaging_thread import AveragingThread, StepLock
 @register("async_model_average")
 class AsyncModelAverage(Algorithm):
     asynchronous = True
+    #: fault tolerance: see the module docstring
+    supports_membership_change = True
+    #: the survivors' step counts differ (asynchronous), and a change is healed by an average, not by a step
+    heals_itself = True
+    #: members keep their own weights when a worker joins (the average that follows takes them all in)
+    replicas_differ = True
 
     def __init__(self, sync_interval_ms: int = 500, warmup_steps: int = 0, compression: str = "none"):
         super().__init__()
@@ -61,15 +75,55 @@ class AsyncModelAverage(Algorithm):
         return self.warmup_steps > 0  # what travels changes when the warm-up ends
 
     def init(self, model):
+        self._build(model)
+        elastic = model._elastic
+        if elastic is not None and elastic.membership.generation > 0:  # a joiner, admitted: mirrors regroup()
+            self._average_all()  # its thread starts once the step count came (load_shared_state_dict)
+        elif self.warmup_steps == 0:
+            self.thread.start()
+
+    def _build(self, model, rounds: int = 0):
+        """The averaging group, the averager and a thread not yet started."""
         ranks = dist.get_process_group_ranks(model.process_group)
         # collective: every rank creates it; the background thread's traffic never meets the model's group
         self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(model.process_group))
         self._stop_wait_s = group_timeout(self.group).total_seconds() + self.sync_interval_ms / 1000 + 10
         # .data: average the storage without bumping autograd's version counters (see the docstring)
         self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")
-        self.thread = AveragingThread(self.averager, self.group, self.sync_interval_ms / 1000, self._step_lock)
-        if self.warmup_steps == 0:
-            self.thread.start()
+        joiners = model._elastic.joiners_waiting if model._elastic is not None else None
+        self.thread = AveragingThread(self.averager, self.group, self.sync_interval_ms / 1000, self._step_lock,
+                                      joiners, rounds)
+
+    # ---- fault tolerance ------------------------------------------------------------------------------------
+    def heal(self):
+        """A lost peer, on the survivors' new group: nothing here; :meth:`regroup` averages them."""
+
+    def regroup(self):
+        """A membership change (a lost peer, or joiners admitted): the old thread abandoned (a round in flight
+        never applies), a new group, averager and thread (started at the next step), and one dense average
+        of every member's weights on the new group, so the replicas and the anchor are equal again."""
+        old = self.thread
+        old.abandon()
+        self._build(self.model, old.rounds)
+        self._average_all()
+
+    def _average_all(self):
+        self.model.run_collective(f"{self.name} average on a membership change",
+                                  lambda: self.averager.average_dense(self.model.process_group))
+
+    def peer_lost(self):
+        """Before a local step's forward: the background averaging failed (a peer lost) is this step's news."""
+        error = self.thread.worker.error
+        if error is not None:
+            from bagua_lite._failfast import PeerFailedError
+            raise PeerFailedError(f"async_model_average: the background averaging failed: "
+                                  f"{type(error).__name__}: {error}") from error
+
+    def shared_state_dict(self):
+        return {"step": self.step, "paused": self.paused, "rounds": self.thread.rounds}
+
+    def load_shared_state_dict(self, state):
+        self.step, self.paused, self.thread.rounds = int(state["step"]), bool(state["paused"]), int(state["rounds"])
 
     @property
     def rounds(self) -> int:
@@ -96,14 +150,19 @@ class AsyncModelAverage(Algorithm):
 
     def before_forward(self):
         self._step_lock.release()  # only if an optimizer step raised between its pre and post hooks
-        self._check()
+        if self.model._elastic is None:  # else the model asked peer_lost() already, where a loss is healed
+            self._check()
 
     def before_step(self):
         self._step_lock.hold()
 
     def after_step(self):
         self._step_lock.release()
-        self._check()
+        if self.model._elastic is None:
+            self._check()
+        elif self.thread.admission:  # every rank's thread ended in the same round: admit at this boundary
+            self.model._elastic.grow_after_step = True
+            return
         if self.step == self.warmup_steps:
             self.averager.reset_anchor()  # replicas are identical at the end of warm-up
         if not self.paused and not self.thread.worker.started and self.step >= self.warmup_steps:
@@ -114,7 +173,7 @@ class AsyncModelAverage(Algorithm):
         rank's averaging in the same round (the threads stay paired); steps meanwhile are local."""
         self._check()
         self.paused = True
-        self.thread.stop(self._stop_wait_s, self.model.peer_failed)
+        self.thread.stop(self._stop_wait_s, self._peer_lost)
 
     def resume(self):
         """On every rank, after :meth:`pause`: averaging starts again (in a warm-up: when it ends)."""
@@ -127,9 +186,28 @@ class AsyncModelAverage(Algorithm):
 
     def close(self):
         """Stop the thread after its round in flight; its collective may wait on a failed rank, so not after
-        a peer failed (the exit hook waits for it then, even though the peers are known to have failed)."""
+        a peer failed (the exit hook waits for it then, even though the peers are known to have failed).
+        With fault tolerance, a rank whose thread ended to admit joiners first takes part in that admission
+        (the other members wait for it at their next step boundary), then ends everyone's averaging."""
         self._step_lock.release()
-        self.thread.stop(self._stop_wait_s, self.model.peer_failed)
+        if self.model._elastic is not None and self.thread.admission and not self.model.peer_failed():
+            self.model._elastic.grow()
+            if not self.paused and self.step >= self.warmup_steps:
+                self.thread.start()  # its first round says stop: the others' new threads end with it
+        self.thread.stop(self._stop_wait_s, self._peer_lost)
+
+    def _peer_lost(self) -> bool:
+        """Whether a peer is known to be lost: it announced a failure or, with fault tolerance, its heartbeat
+        stood still (a stopped peer would hold this rank's last round until the group's timeout)."""
+        if self.model.peer_failed():
+            return True
+        if self.model._elastic is not None:
+            from bagua_lite._failfast import PeerFailedError
+            try:
+                self.model._elastic.watch_every()
+            except PeerFailedError:
+                return True
+        return False
 
     def average_now(self):
         """After ``close()`` or ``pause()`` on every rank (collective): every replica <- the average."""

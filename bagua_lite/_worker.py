@@ -100,6 +100,16 @@ class Worker:
         atexit.unregister(self._atexit)
         return True
 
+    def abandon(self) -> None:
+        """Leave the thread to itself (fault tolerance: it may wait in a collective with a lost peer, or with a
+        survivor whose own thread failed, until that process ends or the group's timeout): its job is told to
+        stop and nothing waits for it now. The exit hook still waits for it (at most ``exit_wait_s``), since
+        its collective fails, and wakes it, as those peers exit: during interpreter finalization that would
+        abort the process."""
+        if not self.stopping.is_set():
+            self.stopping.set()
+            self._jobs.put(None)
+
     def _stop_at_exit(self):
         if not self.stop(runtime.exit_wait_s()):
             warnings.warn(f"{self.name}: its thread was still in a job at exit; it is a daemon and ends with "

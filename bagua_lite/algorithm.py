@@ -44,6 +44,8 @@ Hooks, in the order of one training step:
                            decentralized's are examples), one whose replicas differ sets ``replicas_differ``
                            (a joiner takes rank 0's weights, members keep theirs), and one with no
                            collective of all ranks in its steps sets ``store_admission_margin``
+``peer_lost()``            only with ``fault_tolerant=True``, before a local step's forward: raise
+                           ``PeerFailedError`` if the algorithm's own thread lost a peer (async averaging)
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
 ``state_dict()`` / ``load_state_dict()``  checkpointed state that is not a list of tensors (counters, an
@@ -197,6 +199,11 @@ class Algorithm:
         """With ``fault_tolerant=True``: the model now runs on the survivors' new group and the round in
         flight was discarded (``register_state(..., rollback=True)`` tensors already put back, buckets
         zeroed). Forget what the discarded round left half-done; ``bucket_ops`` is asked again after this."""
+
+    def peer_lost(self) -> None:
+        """With ``fault_tolerant=True``, before the forward of a step whose backward runs no collective (a
+        local step): raise ``PeerFailedError`` if the algorithm's own communication (a background thread's)
+        failed, so the survivors re-form there and discard that step. Nothing to look at by default."""
 
     def close(self) -> None:
         """Called once by ``DistributedModel.close()``: end anything the algorithm runs by itself."""

@@ -137,6 +137,17 @@ class WeightAverager:
         self.reduce(group)
         self.apply(delta=False)
 
+    def average_dense(self, group) -> None:
+        """Synchronous and uncompressed, whatever the compressor: every replica <- the plain mean of the
+        weights, which becomes the anchor (residuals zeroed). For a membership change, after which the
+        ranks' anchors may differ (a round some completed and others did not)."""
+        self.snapshot()
+        for snap, work in zip(self.snaps, self.work):
+            work.copy_(snap)
+            comm.allreduce(work, "avg", group=group)
+        self.apply(delta=False)
+        self.reset_anchor()
+
     def start_sync(self, group) -> "_Posted":
         """``average``/``reduce_change`` started (dense, no compressor): anchored, the change x - a
         (``take_change``) into the work buffers, else the weights themselves, each read straight from the

@@ -92,8 +92,8 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, 
         raise ValueError(
             f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
             f"compression), topk, gtopk, powersgd, local_sgd/diloco with dense in-step syncs (no overlap, no "
-            f"compression), decentralized without compression and qadam; got {algorithm.name} ({algorithm!r}). "
-            f"Asynchronous averaging and auto are not supported yet")
+            f"compression), decentralized without compression, qadam and async_model_average; got "
+            f"{algorithm.name} ({algorithm!r}). auto is not supported yet")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
         raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
@@ -146,7 +146,7 @@ class DistributedModel(DistributedDataParallel):
     the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
     gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco with dense
-    in-step syncs and decentralized without compression; other algorithms are refused. The rendezvous store must
+    in-step syncs, decentralized without compression and async_model_average; other algorithms are refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 
@@ -395,6 +395,9 @@ class DistributedModel(DistributedDataParallel):
                 and torch.is_grad_enabled():
             try:  # local steps run no collective: look at the store for a lost peer (one round trip)
                 self._failfast.check()
+                self.algorithm.peer_lost()  # its own thread's communication (asynchronous averaging)
+                if self.algorithm.asynchronous:  # no wait of this thread watches the heartbeats: look here
+                    self._elastic.watch_every()
             except PeerFailedError as e:
                 self._elastic.recover(e, periodic="store")  # this step runs locally, optimizer.step() raises
             margin = self.algorithm.store_admission_margin
@@ -471,11 +474,11 @@ class DistributedModel(DistributedDataParallel):
             h.remove()
         self._hooks = []
         _LIVE.discard(self)
-        if self._elastic is not None:
-            self._elastic.close()
         try:
-            self.algorithm.close()
+            self.algorithm.close()  # first: it may still take part in an admission (async_model_average)
         finally:
+            if self._elastic is not None:
+                self._elastic.close()
             if not self._engine_abandoned:
                 self._engine.shutdown()
 

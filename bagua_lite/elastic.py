@@ -286,13 +286,19 @@ class PulseWatch:
         self.store, self.timeout_s = store, timeout_s
         self.seen = {m: (None, 0.0) for m in members if m != me}  # id -> (last count, when it last moved)
 
-    def __call__(self):
+    def __call__(self, closed_ok=False):
+        """``closed_ok``: a member that closed its model (an asynchronous one's ranks end their loops at
+        different times) is no longer watched instead of being treated as lost."""
         from ._failfast import PeerFailedError
 
         now = time.monotonic()
-        for m, (count, since) in self.seen.items():
+        for m, (count, since) in list(self.seen.items()):
             try:
                 now_count = int(self.store.add(f"{KEY}/beat/{m}", 0))
+                if now_count == count and now - since > self.timeout_s and closed_ok \
+                        and self.store.check([f"{KEY}/left/{m}"]):
+                    del self.seen[m]
+                    continue
             except Exception:  # noqa: BLE001 - the store will say more at the next membership change
                 return
             if now_count != count:
@@ -343,6 +349,7 @@ class Controller:
         self.heartbeat = getattr(membership, "heartbeat", None) or Heartbeat(self.base, membership.me)
         model._failfast.watch = self._pulse_watch(membership.members)
         self.next_join_check = 0.0
+        self._next_watch = 0.0
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
         self.admit_at = None  # store admission (Algorithm.store_admission_margin): the step count to admit at
         self.pending = None       # the MembershipChanged that this step's optimizer.step() raises
@@ -453,6 +460,17 @@ class Controller:
     def _pulse_watch(self, members):
         return PulseWatch(self.heartbeat.store, members, self.membership.me, self.heartbeat_timeout_s)
 
+    def watch_every(self):
+        """The heartbeat watch, at most every ``POLL_S`` seconds, for a training thread that never waits for
+        its peers (asynchronous averaging: its thread's collectives would wait for a stopped peer until the
+        group's timeout). A member that closed its model is not a lost one there."""
+        from ._failfast import POLL_S
+
+        now = time.monotonic()
+        if now >= self._next_watch:
+            self._next_watch = now + POLL_S
+            self.model._failfast.watch(closed_ok=True)
+
     def joiners_waiting(self) -> int:
         """Rank 0: the number of workers waiting to join, looked up at most every JOIN_POLL_S (0 between);
         the others: 0. Rides in the step agreement, so every member learns it at the same step."""
@@ -518,6 +536,10 @@ class Controller:
 
     def close(self):
         """The model is closed: workers still waiting to join are told the job has ended (rank 0)."""
+        try:  # not lost: an asynchronous peer still training stops watching this worker's heartbeat
+            self.heartbeat.store.set(f"{KEY}/left/{self.membership.me}", "1")
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            pass
         self.heartbeat.stop()
         if self.model.rank == 0:
             try:  # on the heartbeat's own client: the shared one may be held by a failed rendezvous

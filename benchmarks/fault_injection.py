@@ -38,8 +38,13 @@ ALGORITHMS = {  # the algorithms fault tolerance supports, with the options the 
     "local_sgd": {"period": 4},
     "diloco": {"period": 4},
     "decentralized": {"peer_selection": "ring"},
+    "async_model_average": {"sync_interval_ms": 100},
 }
-DIFFERING = {"decentralized"}  # replicas differ by design: the end-of-run check is that every member finished
+# replicas differ by design: the end-of-run check is that every member finished
+DIFFERING = {"decentralized", "async_model_average"}
+# its ranks do not wait for each other, so its loops are short: long enough that a SIGSTOPped worker's
+# heartbeat times out, and its replacement is admitted, while the others still train
+STEPS_OF = {"async_model_average": 200}
 HEARTBEAT_TIMEOUT_S = 10.0  # DistributedModel's default: a SIGSTOPped worker is left out after it
 
 
@@ -163,6 +168,11 @@ def run(P, algo, faults, task="tiny", steps=40, window=1.0, timeout_s=1800, dead
     hung = [n for n, p in procs.items() if p.is_alive()]
     for n in hung:
         procs[n].kill()
+    for p in procs.values():
+        p.join(5)
+    # every worker ends well (0) or was SIGKILLed (a victim, or a SIGSTOPped one ended by us): anything else
+    # (an abort at exit, an exception) is a failure, even if the logs look fine
+    bad_exits = {n: p.exitcode for n, p in procs.items() if n not in hung and p.exitcode not in (0, -signal.SIGKILL)}
     logs = {}
     for n in procs:
         path = os.path.join(out, f"log_{n}.json")
@@ -170,7 +180,7 @@ def run(P, algo, faults, task="tiny", steps=40, window=1.0, timeout_s=1800, dead
             with open(path) as f:
                 logs[n] = json.load(f)
     assert len(seen) == expected or hung, (seen, faults)
-    return logs, hung, store
+    return logs, hung, store, bad_exits
 
 
 def threading_kill_later(proc, after_s):
@@ -181,13 +191,13 @@ def threading_kill_later(proc, after_s):
 def matrix(args):
     rows, hangs = [], 0
     for P in (4, 5):
-        for algo in ALGORITHMS:
+        for algo in args.only or ALGORITHMS:
             for fault, plan in (("kill -9, 1 worker", {8: [(1, "SIGKILL")]}),
                                 ("kill -9, 2 workers", {6: [(2, "SIGKILL"), (0, "SIGKILL")]}),
                                 ("kill -9, 1 then 1", {5: [(P - 1, "SIGKILL")], 20: [(0, "SIGKILL")]}),
                                 ("SIGSTOP, 1 worker", {8: [(2, "SIGSTOP")]})):
                 t0 = time.monotonic()
-                logs, hung, store = run(P, algo, plan, steps=args.steps)
+                logs, hung, store, bad_exits = run(P, algo, plan, steps=max(args.steps, STEPS_OF.get(algo, 0)))
                 hangs += len(hung)
                 finished = [lg for lg in logs.values() if len(lg["steps_done"]) and lg["world"] == P]
                 digests = {lg["digest"] for lg in finished}
@@ -197,15 +207,19 @@ def matrix(args):
                         _, at, _ = json.loads(store.get(f"faulted/{s}/{rank}"))
                         kills.append(at)
                 resumed = []
-                for at in kills:  # the survivors' first completed step after the fault
-                    nxt = [min([t for t in lg["steps_done"].values() if t > at] or [math.inf])
-                           for lg in logs.values() if lg["started"] < at]
+                for at in kills:  # the survivors' first completed step after the step the fault discarded
+                    nxt = []  # (an asynchronous survivor goes on with local steps until it learns of the loss)
+                    for lg in logs.values():
+                        if lg["started"] < at:
+                            seen = min([t for _, t in lg["discarded"] if t >= at] or [at])
+                            nxt.append(min([t for t in lg["steps_done"].values() if t > seen] or [math.inf]))
                     resumed.append(max(nxt) - at)
                 joins = [lg["first_step"] - lg["spawned"] for n, lg in logs.items() if str(n).startswith("r")]
                 lost = max((len(lg["discarded"]) for lg in logs.values()), default=0)
-                ok = not hung and len(finished) == P and (len(digests) == 1 or algo in DIFFERING)
+                ok = not hung and not bad_exits and len(finished) == P and (len(digests) == 1 or algo in DIFFERING)
                 rows.append((P, algo, fault, ok, len(hung), lost, resumed, joins, time.monotonic() - t0))
-                print(f"P={P} {algo:24s} {fault:20s} {'ok' if ok else 'FAILED'}: hung {len(hung)}, members at the "
+                print(f"P={P} {algo:24s} {fault:20s} {'ok' if ok else 'FAILED'}: hung {len(hung)}, "
+                      f"{'exit codes ' + repr(bad_exits) + ', ' if bad_exits else ''}members at the "
                       f"end {len(finished)} of {P} with {len(digests)} distinct weights, MembershipChanged per "
                       f"survivor {lost}, fault -> survivors' next step {', '.join(f'{r:.2f}' for r in resumed)} s, "
                       f"replacement start -> first step {', '.join(f'{j:.2f}' for j in joins)} s", flush=True)
@@ -228,8 +242,8 @@ def digits(args):
     plan = {s: [((s // args.every) % 4, "SIGKILL")] for s in range(args.every, steps, args.every)}
     print(f"digits, P = 4, {args.algorithm}, {steps} steps of 64 samples, cosine lr from 0.05; a worker SIGKILLed "
           f"every {args.every} steps ({len(plan)} kills, rank 0 among them) and a replacement started at once")
-    base, hung0, _ = run(4, args.algorithm, {}, task="digits", steps=steps, deadline_s=600)
-    faulted, hung1, store = run(4, args.algorithm, plan, task="digits", steps=steps, deadline_s=900)
+    base, hung0, _, _ = run(4, args.algorithm, {}, task="digits", steps=steps, deadline_s=600)
+    faulted, hung1, store, _ = run(4, args.algorithm, plan, task="digits", steps=steps, deadline_s=900)
     acc0 = {lg["accuracy"] for lg in base.values()}
     end = [lg for lg in faulted.values() if lg["world"] == 4]
     acc1 = {lg["accuracy"] for lg in end}
@@ -324,6 +338,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--every", type=int, default=30)
     ap.add_argument("--algorithm", default="gradient_allreduce", choices=sorted(ALGORITHMS))
+    ap.add_argument("--only", nargs="+", choices=sorted(ALGORITHMS), help="matrix: these algorithms only")
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--ckpt-every", type=int, default=10)
     args = ap.parse_args(argv)

@@ -31,7 +31,8 @@ from cluster import _context
 from test_elastic_membership import _batch, _flat, _join, _net
 
 STEPS = 18
-STEPS_OF = {"decentralized": 30}  # its joiners are admitted interval * (P + 2) steps after rank 0 sees them
+STEPS_OF = {"decentralized": 30,  # its joiners are admitted interval * (P + 2) steps after rank 0 sees them
+            "async_model_average": 100}  # its ranks do not wait for each other: enough steps for a join
 
 
 def _steps(algo):
@@ -413,3 +414,36 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, ki
             other = res[r]["snap"][1]["module"]
             assert any(not torch.equal(v, other[k]) for k, v in src["module"].items()), r
     _assert_a_fresh_run_ends_alike(out, algo, options, members, start, res)
+
+
+@pytest.mark.parametrize("options,P,victim", [({"sync_interval_ms": 50}, 4, 1),
+                                              ({"sync_interval_ms": 50, "compression": "minmax_uint8"}, 5, 0)],
+                         ids=["dense-P4", "minmax_uint8-P5-rank0"])
+def test_async_model_average_admits_a_replacement_through_its_averaging_rounds(options, P, victim):
+    """Asynchronous averaging: the news of a waiting joiner rides in the background threads' go-on flag, so
+    every member's thread ends in the same round and each member admits the joiner at its own next step
+    boundary. The joiner starts from rank 0's optimizer state and step count; then members and joiner
+    average their weights once: at the join every one of them holds the same weights, bit for bit."""
+    algo, steps = "async_model_average", _steps("async_model_average")
+    out, survivors, res = _killed_run("bagua_lite_async_join_", P, algo, options, {victim: 8}, True)
+    joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+    members = survivors + [P]
+    for r, x in res.items():
+        assert len(x["discarded"]) == 1, (r, x["discarded"], x.get("messages"))  # the loss's step only
+        assert [c[:2] for c in x["changes"]] == [(P, P - 1), (P - 1, P)], x["changes"]
+        assert x["members"] == members and x["world"] == P
+        assert sorted(x["digests"]) == list(range(steps)), r  # the discarded step was taken again
+    assert joiner["changes"] == [(P - 1, P, None)] and joiner["members"] == members
+    src, mine = res[survivors[0]]["snap"], joiner["snap"]
+    assert mine[0] == joiner["joined_at"] == src[0] < steps, (mine[0], src[0])  # rank 0's step count
+    for r in survivors:  # the average at the join: one set of weights on every member and the joiner
+        assert res[r]["snap"][0] >= 8
+        for k, v in mine[1]["module"].items():
+            assert torch.equal(v, res[r]["snap"][1]["module"][k]), (r, k)
+    for i, st in src[1]["optimizer"]["state"].items():  # rank 0's optimizer state
+        assert torch.equal(st["momentum_buffer"], mine[1]["optimizer"]["state"][i]["momentum_buffer"]), i
+    assert any(not torch.equal(src[1]["optimizer"]["state"][i]["momentum_buffer"], st["momentum_buffer"])
+               for r in survivors[1:] for i, st in res[r]["snap"][1]["optimizer"]["state"].items())  # their own
+    assert sorted(joiner["digests"]) == list(range(mine[0], steps))
+    print(f"\n{algo} {options} P={P}: replacement admitted at rank 0's step {mine[0]}, {joiner['admitted_s']:.2f} s "
+          f"from its start to admitted, {joiner['first_step_s']:.2f} s to its first step")
