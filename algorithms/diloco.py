@@ -60,9 +60,9 @@ class DiLoCo(Algorithm):
     # ---- fault tolerance (DistributedModel(..., fault_tolerant=True)) ---------------------------------------
     @property
     def supports_membership_change(self):
-        """Dense syncs run in the step (no ``overlap``, no ``compression``: a background sync's group and
-        per-rank error feedback are not re-formed yet)."""
-        return self.overlap == 0 and self.compression in (None, "none")
+        """Syncs that run in the step, dense or compressed (no ``overlap``: a background sync's group is not
+        re-formed yet)."""
+        return self.overlap == 0
 
     #: a lost peer is healed by :meth:`heal` (the survivors may be at different steps: one that completed
     #: the sync goes on with local steps until it looks at the store)
@@ -77,7 +77,12 @@ class DiLoCo(Algorithm):
         inner optimizer state, anchors, outer optimizer state, step count. Otherwise every survivor goes to
         the sync's step count (one before it skips its remaining local steps: at most the round in
         progress) and they finish the sync among themselves. A failure in the dense warm-up is the
-        synchronous case: nothing to heal."""
+        synchronous case: nothing to heal.
+
+        With a ``compression`` each rank's error-feedback residual is its own: it is never sent. A completed
+        sync took every survivor's compressed change (none completes without all of them), so each keeps
+        the residual that compression left; if none completed, one that was inside the sync puts back the
+        residual it had before it (compressing updated it before the exchange failed) and sends again."""
         m, syncing = self.model, self._syncing
         self._syncing = None
         rows = m._gather_ints([self.step, self._syncs, -1 if syncing is None else syncing])
@@ -87,6 +92,9 @@ class DiLoCo(Algorithm):
             src = max(done, key=lambda i: (rows[i][0], -i))
             m._share_state(src, receive=rows[m.rank][1] != top_sync)
             return
+        if syncing is not None and self._residuals_before:
+            for residual, before in zip(self.frags[syncing].residuals, self._residuals_before[syncing]):
+                residual.copy_(before)
         self.step = max(r[0] for r in rows)
         frag = max(r[2] for r in rows)
         if frag >= 0 and self.step >= self.warmup_steps:
@@ -94,8 +102,13 @@ class DiLoCo(Algorithm):
             self._syncs += 1
 
     def shared_state_dict(self):
-        """A joiner's (or a healed survivor's) state: the whole of it, the same on every rank after a sync."""
-        return {"step": self.step, "syncs": self._syncs, "state": self.state_dict()}
+        """A joiner's (or a healed survivor's) state: the whole of it, the same on every rank after a sync,
+        but for the error-feedback residuals, which are each rank's own (a joiner's start at zero)."""
+        state = self.state_dict()
+        for frag in state["fragments"]:
+            if frag["averager"]:
+                frag["averager"] = {**frag["averager"], "residuals": []}  # loading it leaves them as they are
+        return {"step": self.step, "syncs": self._syncs, "state": state}
 
     def load_shared_state_dict(self, state):
         self.load_state_dict(state["state"])
@@ -126,6 +139,10 @@ class DiLoCo(Algorithm):
             self.outers = [cls(frag.anchors, **kwargs) for frag in self.frags]  # the anchors are what it steps
         if self.overlap:
             self.background = Background(model, self.name)  # collective (a process group of its own)
+        # fault tolerance with compression: the residuals before an in-step sync, put back if a lost peer
+        # makes the survivors send again (buffers made once, copied once per sync)
+        self._residuals_before = [[r.clone() for r in frag.residuals] for frag in self.frags] \
+            if model._elastic is not None and self.frags[0].compressor is not None else []
 
     @property
     def averager(self):
@@ -151,6 +168,9 @@ class DiLoCo(Algorithm):
                     self.frags[f].take_change()
                     self.pending[f] = self.background.submit(self.frags[f].reduce_work, self.step)
                 else:  # fails fast on a peer's failure
+                    if self._residuals_before:
+                        for before, residual in zip(self._residuals_before[f], self.frags[f].residuals):
+                            before.copy_(residual)
                     self._syncing = f
                     self.model.run_collective(f"{self.name} sync", lambda f=f: self._sync_now(f))
                     self._syncing, self._syncs = None, self._syncs + 1

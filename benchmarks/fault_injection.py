@@ -37,6 +37,7 @@ ALGORITHMS = {  # the algorithms fault tolerance supports, with the options the 
     "powersgd": {"rank": 2, "warmup_steps": 2},
     "local_sgd": {"period": 4},
     "diloco": {"period": 4},
+    "diloco+minmax_uint8": {"period": 4, "compression": "minmax_uint8"},
     "decentralized": {"peer_selection": "ring"},
     "async_model_average": {"sync_interval_ms": 100},
 }

@@ -334,6 +334,9 @@ PERIODIC = [  # (algorithm, options, P, {rank: step it is killed at}, replaced)
      5, {1: 3, 0: 9}, False),                          # two kills, rank 0 among them: 5 -> 4 -> 3
     ("local_sgd", {"period": 4, "warmup_steps": 2}, 4, {1: 6}, True),  # a replacement joins at a later sync
     ("diloco", {"period": 4}, 3, {0: 6}, True),
+    # compressed syncs: each rank's error feedback stays its own (a joiner's starts at zero)
+    ("diloco", {"period": 4, "compression": "minmax_uint8"}, 4, {2: 5}, True),
+    ("local_sgd", {"period": 4, "compression": "sign"}, 5, {3: 2, 0: 9}, False),
 ]
 
 
@@ -447,3 +450,57 @@ def test_async_model_average_admits_a_replacement_through_its_averaging_rounds(o
     assert sorted(joiner["digests"]) == list(range(mine[0], steps))
     print(f"\n{algo} {options} P={P}: replacement admitted at rank 0's step {mine[0]}, {joiner['admitted_s']:.2f} s "
           f"from its start to admitted, {joiner['first_step_s']:.2f} s to its first step")
+
+
+def _dies_in_the_sync(rank, P, port, out, algo, options, k, victim):
+    """Rank ``victim`` dies inside step ``k``'s sync, after the step check, as the data is to travel: every
+    survivor has compressed its change (updating its residual) when the exchange fails, none completes."""
+    _join(port, rank, P)
+    net = _net()
+    opt = _optimizer(algo, net)
+    model = bagua_lite.DistributedModel(net, opt, build(algo, **options), bucket_size_mb=0.001, fault_tolerant=True)
+    if rank == victim:
+        frag = model.algorithm.frags[0]
+        reduce_work = frag.reduce_work
+
+        def dies(group):
+            if model.algorithm.step == k + 1:  # inside step k's after_step (the count moved on first)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return reduce_work(group)
+        frag.reduce_work = dies
+    res = {"digests": {}, "discarded": [], "snap": None}
+    while model.algorithm.step < STEPS:
+        s = model.algorithm.step
+        if s == k:  # the reference run starts here, with P - 1 workers
+            res["snap"] = (s, _snapshot(model, net, opt))
+        x, y = _batch(rank, s)
+        try:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        except bagua_lite.MembershipChanged:
+            res["discarded"].append(s)
+        else:
+            res["digests"][s] = _digest(net)
+        opt.zero_grad()
+    res.update(weights=_flat(net), me=rank)
+    torch.save(res, os.path.join(out, f"result_{rank}.pt"))
+    model.close()
+
+
+@pytest.mark.parametrize("algo,options", [("diloco", {"period": 4, "compression": "minmax_uint8"}),
+                                          ("local_sgd", {"period": 4, "compression": "sign"})])
+def test_a_compressed_sync_that_failed_on_every_survivor_is_sent_again_with_the_residuals_before_it(algo, options):
+    """Compressing a change updates the residual before anything travels, so a sync whose exchange then
+    fails everywhere has touched every survivor's error feedback. The survivors put it back and finish the
+    sync among themselves: bit for bit a fresh run of the three from the state each had before the step."""
+    P, k, victim = 4, 7, 3  # step 7 ends the second period
+    out = tempfile.mkdtemp(prefix="bagua_lite_compressed_sync_")
+    _, codes = _run(P, _dies_in_the_sync, (out, algo, options, k, victim), replace=None)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, codes
+    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 2)}
+    for r in (0, 1, 2):
+        assert res[r]["discarded"] == [k], res[r]["discarded"]  # the step's update was kept, its sync finished
+        assert sorted(res[r]["digests"]) == [s for s in range(STEPS) if s != k]
+    for s in range(k + 4, STEPS, 4):  # the syncs after it: the replicas identical again
+        assert len({res[r]["digests"][s] for r in (0, 1, 2)}) == 1, s
+    _assert_a_fresh_run_ends_alike(out, algo, options, [0, 1, 2], k, res)
