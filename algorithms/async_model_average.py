@@ -173,7 +173,7 @@ class AsyncModelAverage(Algorithm):
         rank's averaging in the same round (the threads stay paired); steps meanwhile are local."""
         self._check()
         self.paused = True
-        self.thread.stop(self._stop_wait_s, self._peer_lost)
+        self.thread.stop(self._stop_wait_s, self.model.peer_failed)
 
     def resume(self):
         """On every rank, after :meth:`pause`: averaging starts again (in a warm-up: when it ends)."""
@@ -194,20 +194,8 @@ class AsyncModelAverage(Algorithm):
             self.model._elastic.grow()
             if not self.paused and self.step >= self.warmup_steps:
                 self.thread.start()  # its first round says stop: the others' new threads end with it
-        self.thread.stop(self._stop_wait_s, self._peer_lost)
+        self.thread.stop(self._stop_wait_s, self.model.peer_failed)
 
-    def _peer_lost(self) -> bool:
-        """Whether a peer is known to be lost: it announced a failure or, with fault tolerance, its heartbeat
-        stood still (a stopped peer would hold this rank's last round until the group's timeout)."""
-        if self.model.peer_failed():
-            return True
-        if self.model._elastic is not None:
-            from bagua_lite._failfast import PeerFailedError
-            try:
-                self.model._elastic.watch_every()
-            except PeerFailedError:
-                return True
-        return False
 
     def average_now(self):
         """After ``close()`` or ``pause()`` on every rank (collective): every replica <- the average."""

@@ -91,8 +91,8 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, 
     if not getattr(algorithm, "supports_membership_change", False):
         raise ValueError(
             f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
-            f"compression), topk, gtopk, powersgd, local_sgd/diloco with in-step syncs (no overlap; any "
-            f"compression), decentralized without compression, qadam and async_model_average; got "
+            f"compression), topk, gtopk, powersgd, local_sgd/diloco (any options), decentralized without "
+            f"compression, qadam and async_model_average; got "
             f"{algorithm.name} ({algorithm!r}). auto is not supported yet")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
@@ -145,8 +145,8 @@ class DistributedModel(DistributedDataParallel):
     others waited for it (a stopped or hung process, whose connections stay open) is treated as lost, so
     the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
-    gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco with in-step
-    syncs (no overlap), decentralized without compression and async_model_average; others are refused. The rendezvous store must
+    gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco (streaming too),
+    decentralized without compression and async_model_average; others are refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 
@@ -796,8 +796,17 @@ class DistributedModel(DistributedDataParallel):
         self._failfast.check_every()
 
     def peer_failed(self) -> bool:
-        """Whether this model's communication is known to be broken, here or on a peer (never raises)."""
-        return self._failfast.peer_failed()
+        """Whether this model's communication is known to be broken, here or on a peer (never raises); with
+        ``fault_tolerant=True`` also whether a member's heartbeat stood still (a stopped peer, which would
+        hold an algorithm's thread in its collective until the group's timeout)."""
+        if self._failfast.peer_failed():
+            return True
+        if self._elastic is not None:
+            try:
+                self._elastic.watch_every()
+            except PeerFailedError:
+                return True
+        return False
 
     def wait_for(self, event) -> None:
         """``event.wait()`` for an algorithm's own thread's work, raising :class:`PeerFailedError` if a peer

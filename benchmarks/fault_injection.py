@@ -38,6 +38,7 @@ ALGORITHMS = {  # the algorithms fault tolerance supports, with the options the 
     "local_sgd": {"period": 4},
     "diloco": {"period": 4},
     "diloco+minmax_uint8": {"period": 4, "compression": "minmax_uint8"},
+    "diloco+streaming": {"period": 4, "overlap": 1, "fragments": 2},
     "decentralized": {"peer_selection": "ring"},
     "async_model_average": {"sync_interval_ms": 100},
 }

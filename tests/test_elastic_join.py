@@ -35,7 +35,9 @@ STEPS_OF = {"decentralized": 30,  # its joiners are admitted interval * (P + 2) 
             "async_model_average": 100}  # its ranks do not wait for each other: enough steps for a join
 
 
-def _steps(algo):
+def _steps(algo, options=None):
+    if (options or {}).get("overlap"):  # streaming diloco admits joiners period + overlap + 2 steps ahead
+        return 40
     return STEPS_OF.get(algo, STEPS)
 
 
@@ -75,7 +77,7 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
         res["joined_at"] = model.algorithm.step
         res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
         res["admitted_s"] = time.time() - started
-    while model.algorithm.step < _steps(algo):
+    while model.algorithm.step < _steps(algo, options):
         s = model.algorithm.step
         if me == rank and kill_at.get(rank) == s and not replacement:
             store.set(f"killed/{rank}", repr(time.time()))
@@ -111,7 +113,7 @@ def _reference(rank, P, port, out, algo, options, members, start):
     net.load_state_dict(snap["module"])
     opt.load_state_dict(snap["optimizer"])
     model.load_algorithm_state_dict(snap["algorithm"])
-    while model.algorithm.step < _steps(algo):
+    while model.algorithm.step < _steps(algo, options):
         x, y = _batch(me, model.algorithm.step)
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -504,3 +506,116 @@ def test_a_compressed_sync_that_failed_on_every_survivor_is_sent_again_with_the_
     for s in range(k + 4, STEPS, 4):  # the syncs after it: the replicas identical again
         assert len({res[r]["digests"][s] for r in (0, 1, 2)}) == 1, s
     _assert_a_fresh_run_ends_alike(out, algo, options, [0, 1, 2], k, res)
+
+
+STREAMING = [  # (options, P, {rank: step it is killed at}, replaced)
+    ({"period": 4, "overlap": 1}, 4, {2: 5}, True),
+    ({"period": 4, "overlap": 2, "fragments": 2, "alpha": 0.5}, 5, {1: 6, 0: 17}, False),  # rank 0 second
+    ({"period": 6, "overlap": 2, "fragments": 3, "compression": "minmax_uint8"}, 4, {3: 9}, True),
+]
+
+
+@pytest.mark.parametrize("options,P,kills,replaced", STREAMING,
+                         ids=[f"H{o['period']}-tau{o['overlap']}-F{o.get('fragments', 1)}-P{P}-kill{len(k)}"
+                              f"{'-' + o['compression'] if 'compression' in o else ''}{'-join' if j else ''}"
+                              for o, P, k, j in STREAMING])
+def test_streaming_diloco_drops_the_syncs_in_flight_and_admits_through_the_store(options, P, kills, replaced):
+    """Streaming DiLoCo syncs on a background thread and merges each sync ``overlap`` steps later, so the
+    survivors meet a loss at a merge (or in the store before a step) at different step counts. A fragment
+    whose sync some survivor merged is taken from it by the others (anchors, outer optimizer state, merged
+    into their own weights); every sync merged nowhere is dropped everywhere (its change stays in the
+    weights); every survivor takes the furthest one's step count, and the background thread and group are
+    made again. A joiner is admitted at the step rank 0 posts in the store, once the syncs in flight finished;
+    it gets them with rank 0's state. After the last change the run is bit for bit a fresh run of its
+    members from the state each had then."""
+    algo, steps = "diloco", _steps("diloco", options)
+    out, survivors, res = _killed_run("bagua_lite_streaming_", P, algo, options, kills, replaced)
+    members = survivors + ([P] if replaced else [])
+    for r, x in res.items():
+        assert len(x["discarded"]) == len(kills), (r, x["discarded"], x.get("messages"))  # one per loss
+        assert [c[:2] for c in x["changes"]] == [(P - i, P - i - 1) for i in range(len(kills))] + \
+            ([(P - len(kills), P - len(kills) + 1)] if replaced else []), x["changes"]
+        assert x["members"] == members and x["world"] == len(members)
+    starts = {res[r]["snap"][0] for r in survivors}  # every survivor left the last change at one step count
+    assert len(starts) == 1, starts
+    start = starts.pop()
+    assert max(kills.values()) <= start < steps, (start, kills)
+    if replaced:
+        joiner = res[P] = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+        assert joiner["joined_at"] == start and joiner["members"] == members
+        assert sorted(joiner["digests"]) == list(range(start, steps))
+        src, mine = res[survivors[0]]["snap"][1], joiner["snap"][1]
+        for k, v in src["module"].items():
+            assert torch.equal(v, mine["module"][k]), k
+        for f, (a, b) in enumerate(zip(src["algorithm"]["fragments"], mine["algorithm"]["fragments"])):
+            assert all(torch.equal(x, y) for x, y in zip(a["averager"]["anchors"], b["averager"]["anchors"])), f
+            assert (a["pending"] is None) == (b["pending"] is None), f  # a sync in flight travels with the state
+    _assert_a_fresh_run_ends_alike(out, algo, options, members, start, res)
+
+
+def _behind_at_a_merge(rank, P, port, out, options, victim, behind):
+    """Streaming diloco (period 4, overlap 1): the sync started after step 3 is merged after step 4. On rank
+    ``behind`` that merge fails (as if its sync had; simulated), the others merge it, and ``victim`` dies
+    right after its own merge: a sync merged by some survivors only."""
+    store = _join(port, rank, P)
+    net = _net()
+    opt = _optimizer("diloco", net)
+    model = bagua_lite.DistributedModel(net, opt, build("diloco", **options), bucket_size_mb=0.001,
+                                        fault_tolerant=True)
+    alg = model.algorithm
+    res = {"digests": {}, "discarded": [], "snap": None}
+    if rank == behind:
+        merge = alg._merge
+
+        def fails(f):
+            if alg.step == 5:
+                alg.pending.pop(f)  # its result never arrives here
+                store.wait([f"dead/{victim}"])  # after the victim's own merge: it is gone, not a member
+                time.sleep(0.3)
+                raise RuntimeError("simulated: fragment 0's sync failed on this rank")
+            return merge(f)
+        alg._merge = fails
+
+    def changed(old, new):
+        res["snap"] = (alg.step, _snapshot(model, net, opt))
+    model._elastic.callback = changed
+    while alg.step < _steps("diloco", options):
+        s = alg.step
+        if rank == victim and s == 5:
+            store.set(f"dead/{victim}", "1")
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = _batch(rank, s)
+        try:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        except bagua_lite.MembershipChanged:
+            res["discarded"].append(s)
+        else:
+            res["digests"][s] = _digest(net)
+        opt.zero_grad()
+    res.update(weights=_flat(net), me=rank)
+    torch.save(res, os.path.join(out, f"result_{rank}.pt"))
+    model.close()
+
+
+def test_streaming_diloco_survivors_behind_by_a_merge_take_it_from_one_that_made_it():
+    options = {"period": 4, "overlap": 1}
+    P, victim, behind = 4, 3, 1
+    out = tempfile.mkdtemp(prefix="bagua_lite_merge_")
+    _, codes = _run(P, _behind_at_a_merge, (out, options, victim, behind), replace=None)
+    assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, codes
+    res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 2)}
+    assert res[behind]["discarded"] == [4]  # its step 4 raised at the merge (the update kept)
+    # the others went on with local steps and met the loss at a later merge (or in the store before a step)
+    assert len(res[0]["discarded"]) == 1 and res[0]["discarded"] == res[2]["discarded"], res[0]["discarded"]
+    assert res[0]["discarded"][0] >= 5
+    snaps = {r: res[r]["snap"] for r in (0, 1, 2)}
+    start = snaps[0][0]
+    assert {s[0] for s in snaps.values()} == {start}, snaps  # the behind one took the others' step count
+    for r in (1, 2):  # the merge taken: the anchors and outer momentum of rank 0
+        a, b = snaps[0][1], snaps[r][1]
+        fa, fb = a["algorithm"]["fragments"][0], b["algorithm"]["fragments"][0]
+        assert all(torch.equal(x, y) for x, y in zip(fa["averager"]["anchors"], fb["averager"]["anchors"])), r
+        for i, st in fa["outer"]["state"].items():
+            assert torch.equal(st["momentum_buffer"], fb["outer"]["state"][i]["momentum_buffer"]), (r, i)
+    _assert_a_fresh_run_ends_alike(out, "diloco", options, [0, 1, 2], start, res)

@@ -366,7 +366,7 @@ def _refusals(rank, P, port, out):
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     errors = {}
     for name, options in (("decentralized", {"compression": "minmax_uint8"}),
-                          ("diloco", {"overlap": 1, "period": 4}),
+
                           ("gradient_allreduce", {"hierarchical": True}), ("auto", {})):
         try:
             bagua_lite.DistributedModel(net, opt, build(name, **options), fault_tolerant=True).close()
