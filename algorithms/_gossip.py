@@ -53,8 +53,51 @@ class Gossip(Algorithm):
         """Send t to this exchange's peers and receive theirs into recv (see ``Peers.post``)."""
         return self.peers.post(t, recv, tag, self.exchanges, counted)
 
+    def _receive_buffers(self):
+        """What this rank receives into (made in ``init`` and again when the ring re-forms)."""
+
+    # ---- fault tolerance (DistributedModel(..., fault_tolerant=True)) ---------------------------------------
+    supports_membership_change = True
+    #: a lost peer is healed by :meth:`heal` (survivors may be up to the exchange in flight apart)
+    heals_itself = True
+    replicas_differ = True
+
+    @property
+    def store_admission_margin(self):
+        # a rank gets at most one exchange ahead of each neighbour, so at most P/2 exchanges ahead of rank 0
+        # (shift_one's partners: P - 1); and one more step before it reads the store
+        return self.communication_interval * (self.world_size + 2)
+
+    def heal(self):
+        """After a lost peer, on the survivors' new group (a collective). The exchange in flight is dropped
+        where it had not completed (a survivor that completed it keeps its average: replicas differ by design,
+        so nothing is rolled back), and every survivor takes the furthest survivor's step and exchange counts
+        (one behind skips its missing local steps), so their exchanges pair up again."""
+        self._drop_exchange()
+        rows = self.model._gather_ints([self.step, self.exchanges])
+        self.step, self.exchanges = max(r[0] for r in rows), max(r[1] for r in rows)
+
+    def regroup(self):
+        """The ring re-forms over the new group: peers and their process groups made again."""
+        self._drop_exchange()
+        self.peers = Peers(self.model, self.peer_selection)
+        self._receive_buffers()
+
+    def _drop_exchange(self):
+        """Forget the exchange in flight (its peer may be gone); one on a thread is abandoned there."""
+        self._works, self._step_works = None, []
+
+    def shared_state_dict(self):
+        return {**super().shared_state_dict(), "exchanges": self.exchanges}
+
+    def load_shared_state_dict(self, state):
+        super().load_shared_state_dict(state)
+        self.exchanges = int(state["exchanges"])
+
     # ---- one exchange: started when forward starts, applied after the optimizer step ----------------------
     def before_forward(self):
+        if self.model._elastic is not None and self.model._elastic.pending is not None:
+            return  # a discarded step (a peer was lost): it exchanges nothing
         if self._works is not None or not torch.is_grad_enabled() or self.world_size == 1 \
                 or (self.step + 1) % self.communication_interval:
             return

@@ -23,7 +23,7 @@ from bagua_lite import _C, cost_model as cm
 from bagua_lite.algorithm import register
 
 from ._gossip import Gossip
-from ._peers import Peers, degree, traffic
+from ._peers import degree, traffic
 from .low_precision_decentralized import LowPrecisionDecentralized
 
 
@@ -58,47 +58,9 @@ class Decentralized(Gossip):
         self._receive_buffers()
 
     def _receive_buffers(self):
+        """One flat buffer per peer and dtype (fault tolerance: made again when the ring re-forms)."""
         self.recv = [[torch.empty_like(f) for f in self.snap] for _ in range(self.peers.senders)]
 
-    # ---- fault tolerance (DistributedModel(..., fault_tolerant=True)) ---------------------------------------
-    #: the exact exchange (a compressed one keeps per-rank error compensation paired with its peers')
-    supports_membership_change = True
-    #: a lost peer is healed by :meth:`heal` (survivors may be up to the exchange in flight apart)
-    heals_itself = True
-    replicas_differ = True
-
-    @property
-    def store_admission_margin(self):
-        # a rank gets at most one exchange ahead of each neighbour, so at most P/2 exchanges ahead of rank 0
-        # (shift_one's partners: P - 1); and one more step before it reads the store
-        return self.communication_interval * (self.world_size + 2)
-
-    def heal(self):
-        """After a lost peer, on the survivors' new group (a collective). The exchange in flight is dropped
-        where it had not completed (a survivor that completed it keeps its average: replicas differ by design,
-        so nothing is rolled back), and every survivor takes the furthest survivor's step and exchange counts
-        (one behind skips its missing local steps), so their exchanges pair up again."""
-        self._works, self._step_works = None, []
-        rows = self.model._gather_ints([self.step, self.exchanges])
-        self.step, self.exchanges = max(r[0] for r in rows), max(r[1] for r in rows)
-
-    def regroup(self):
-        """The ring re-forms over the new group: peers and their process groups made again."""
-        self._works, self._step_works = None, []
-        self.peers = Peers(self.model, self.peer_selection)
-        self._receive_buffers()
-
-    def shared_state_dict(self):
-        return {**super().shared_state_dict(), "exchanges": self.exchanges}
-
-    def load_shared_state_dict(self, state):
-        super().load_shared_state_dict(state)
-        self.exchanges = int(state["exchanges"])
-
-    def before_forward(self):
-        if self.model._elastic is not None and self.model._elastic.pending is not None:
-            return  # a discarded step (a peer was lost): it exchanges nothing
-        super().before_forward()
 
     def _start(self):
         send = self.weights.gather()  # x_t, into self.snap

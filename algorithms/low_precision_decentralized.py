@@ -14,11 +14,14 @@ The exchange runs on a background thread while forward and backward run: it comp
 leaves the training thread one pass, x' + delta, after the step. The optimizer step waits for the packing
 only (it reads x_t), never for the transfer. ``decentralized`` with a ``compression`` is this exchange.
 """
+import threading
+
 import torch
 import torch.distributed as dist
 
 from bagua_lite import _C, cost_model as cm
 from bagua_lite._options import compressor
+from bagua_lite._worker import Worker
 from bagua_lite.algorithm import register
 
 from ._gossip import Gossip
@@ -74,48 +77,122 @@ class LowPrecisionDecentralized(Gossip):
                     continue
                 wire = torch.empty(_aligned(self.compressor.wire_bytes(b - a)), dtype=torch.uint8)
                 self.chunks.append((g, a, b, wire, [(p, lo, hi) for p, lo, hi in pieces if lo < b and hi > a]))
-        senders = degree if self.peer_selection != "all" else P
+        self._receive_buffers()
+        # fault tolerance: an exchange thread of an older membership never writes again (_drop_exchange)
+        self._generation, self._fold_lock = 0, threading.Lock()
+        if model._elastic is not None and model._elastic.membership.generation > 0:
+            self._restart_gossip()  # a joiner, admitted: as the members do in regroup()
+
+    def _receive_buffers(self):
+        senders = len(self.peers.fixed[1]) if self.peer_selection != "all" else self.world_size
         self.recv = [[torch.empty_like(c[3]) for c in self.chunks] for _ in range(senders)]
+
+    # ---- fault tolerance ---------------------------------------------------------------------------------
+    def _drop_exchange(self):
+        """The exchange thread may sit in a transfer with the lost peer, or between two chunks: it is
+        abandoned, and the generation it was started in no longer matches, which it checks under the fold
+        lock before it packs, posts or folds any chunk (so it never writes x_hat, the neighbours' sum or a
+        buffer again, nor posts on the new groups)."""
+        with self._fold_lock:
+            self._generation += 1
+        self._worker.abandon()
+        self._worker = Worker(self._worker.name)
+        self._packed, self._done = threading.Event(), threading.Event()
+        super()._drop_exchange()
+
+    def regroup(self):
+        """The ring re-forms: CHOCO's copies are made again with the new neighbours (see _restart_gossip)."""
+        super().regroup()
+        self._restart_gossip()
+
+    def _restart_gossip(self):
+        """After a membership change the neighbours are new and an exchange may have been folded in on some
+        ranks only, so what each rank knows of its neighbours' copies no longer holds. Every rank's copy
+        becomes its own weights, x_hat_i <- x_i, and the neighbours' sum is their copies, received exactly
+        (one full-precision exchange with the new neighbours; under ``all`` an allreduce)."""
+        with torch.no_grad():
+            for x_hat, flat in zip(self.x_hat, self.weights.gather()):
+                x_hat.copy_(flat)
+            if self.world_size == 1:
+                for nbr in self.nbr_sum:
+                    nbr.zero_()
+                return
+            if self.peer_selection == "all":
+                for nbr, x_hat in zip(self.nbr_sum, self.x_hat):
+                    nbr.copy_(x_hat)
+                self.model.run_collective(f"{self.name} restart", lambda: [
+                    dist.all_reduce(nbr, group=self.peers.group) for nbr in self.nbr_sum])
+                for nbr, x_hat in zip(self.nbr_sum, self.x_hat):
+                    nbr.sub_(x_hat)
+                return
+            frm = self.peers.of(self.exchanges)[1]
+            copies = [[torch.empty_like(x) for x in self.x_hat] for _ in frm]
+            works = [w for i, x in enumerate(self.x_hat)
+                     for w in self.peers.post(x, [c[i] for c in copies], i, self.exchanges, counted=False)]
+            self.model.run_collective(f"{self.name} restart", lambda: [w.wait() for w in works])
+            for i, nbr in enumerate(self.nbr_sum):
+                nbr.zero_()
+                for c in copies:
+                    nbr.add_(c[i])
 
     def before_step(self):
         self._wait(self._packed)  # the thread has packed this exchange's snapshot: the step may go on
 
     def _start(self):
-        return self._in_background(self._compressed_exchange)
+        generation, packed = self._generation, self._packed
+        return self._in_background(lambda: self._compressed_exchange(generation, packed))
 
-    def _compressed_exchange(self):
+    def _compressed_exchange(self, generation, packed):
         """On the exchange thread: x_t - x_hat into self.snap, compressed and posted chunk by chunk; then,
-        as each chunk arrives, x_hat and the neighbours' sum updated and self.snap = (d + 1) (mean - x_hat)."""
+        as each chunk arrives, x_hat and the neighbours' sum updated and self.snap = (d + 1) (mean - x_hat).
+        Each chunk's work is done under the fold lock, only while the membership is the one it started in."""
         C, P, posted = self.compressor, self.world_size, []
+        peers, recv, exchange = self.peers, self.recv, self.exchanges
         with torch.no_grad():
             for i, (g, a, b, wire, pieces) in enumerate(self.chunks):  # q = C(x_t - x_hat), chunk by chunk
-                diff, x_hat = self.snap[g][a:b], self.x_hat[g]
-                for p, lo, hi in pieces:
-                    s, e = max(lo, a), min(hi, b)
-                    torch.sub(p.detach().reshape(-1)[s - lo:e - lo], x_hat[s:e], out=diff[s - a:e - a])
-                C.compress(diff, wire.narrow(0, 0, C.wire_bytes(b - a)))
-                if self.peer_selection == "all":
-                    posted.append([dist.all_gather([r[i] for r in self.recv], wire, group=self.peers.group,
-                                                   async_op=True)])
-                    _C.count_sent((P - 1) * wire.nbytes, P - 1)  # ring allgather
-                else:
-                    posted.append(self._post(wire, [r[i] for r in self.recv], i))
-            self._packed.set()  # x_t is read: the optimizer may step
-            own = self.model.rank if self.peer_selection == "all" else None
-            degree = len(self.recv) - (own is not None)
-            self._scale = self.consensus_step / (degree + 1)
+                with self._fold_lock:
+                    if self._generation != generation:
+                        return
+                    diff, x_hat = self.snap[g][a:b], self.x_hat[g]
+                    for p, lo, hi in pieces:
+                        s, e = max(lo, a), min(hi, b)
+                        torch.sub(p.detach().reshape(-1)[s - lo:e - lo], x_hat[s:e], out=diff[s - a:e - a])
+                    C.compress(diff, wire.narrow(0, 0, C.wire_bytes(b - a)))
+                    if self.peer_selection == "all":
+                        posted.append([dist.all_gather([r[i] for r in recv], wire, group=peers.group,
+                                                       async_op=True)])
+                        _C.count_sent((P - 1) * wire.nbytes, P - 1)  # ring allgather
+                    else:
+                        posted.append(peers.post(wire, [r[i] for r in recv], i, exchange))
+            packed.set()  # x_t is read: the optimizer may step
+            own = peers.rank if self.peer_selection == "all" else None
+            degree = len(recv) - (own is not None)
+            scale = self.consensus_step / (degree + 1)
             for i, ((g, a, b, wire, _), works) in enumerate(zip(self.chunks, posted)):  # as chunks arrive
                 for w in works:
                     w.wait()
-                size, nbr_sum, x_hat = C.wire_bytes(b - a), self.nbr_sum[g][a:b], self.x_hat[g][a:b]
-                received = [recv[i].narrow(0, 0, size) for j, recv in enumerate(self.recv) if j != own]
-                if C.native and _C.gossip_fold(C.name, wire.narrow(0, 0, size), received, x_hat, nbr_sum,
-                                               self.snap[g][a:b], float(degree)):
-                    continue  # the same three steps as below, in one pass over memory
-                for q in received:  # x_hat_j += D(q_j), summed over the neighbours
-                    C.decompress(q, nbr_sum, accumulate=True)
-                C.decompress(wire.narrow(0, 0, size), x_hat, accumulate=True)
-                torch.add(nbr_sum, x_hat, alpha=-degree, out=self.snap[g][a:b])  # (d + 1) (mean - x_hat)
+                self._fold_lock.acquire()
+                if self._generation != generation:
+                    self._fold_lock.release()
+                    return
+                self._scale = scale
+                try:
+                    self._fold(C, g, a, b, wire, [r[i] for j, r in enumerate(recv) if j != own], degree)
+                finally:
+                    self._fold_lock.release()
+
+    def _fold(self, C, g, a, b, wire, received, degree):
+        """One chunk arrived: x_hat_j += D(q_j) over the neighbours and x_hat_i += D(q_i), then the chunk's
+        delta (d + 1) (mean - x_hat) into self.snap."""
+        size, nbr_sum, x_hat = C.wire_bytes(b - a), self.nbr_sum[g][a:b], self.x_hat[g][a:b]
+        received = [q.narrow(0, 0, size) for q in received]
+        if C.native and _C.gossip_fold(C.name, wire.narrow(0, 0, size), received, x_hat, nbr_sum,
+                                       self.snap[g][a:b], float(degree)):
+            return  # the same three steps as below, in one pass over memory
+        for q in received:  # x_hat_j += D(q_j), summed over the neighbours
+            C.decompress(q, nbr_sum, accumulate=True)
+        C.decompress(wire.narrow(0, 0, size), x_hat, accumulate=True)
+        torch.add(nbr_sum, x_hat, alpha=-degree, out=self.snap[g][a:b])  # (d + 1) (mean - x_hat)
 
     def _apply(self, peers):
         self._add([(delta, self._scale) for delta in self.snap])

@@ -91,8 +91,8 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, 
     if not getattr(algorithm, "supports_membership_change", False):
         raise ValueError(
             f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
-            f"compression), topk, gtopk, powersgd, local_sgd/diloco (any options), decentralized without "
-            f"compression, qadam and async_model_average; got "
+            f"compression), topk, gtopk, powersgd, local_sgd/diloco, decentralized and "
+            f"low_precision_decentralized, qadam and async_model_average (any of their options); got "
             f"{algorithm.name} ({algorithm!r}). auto is not supported yet")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
@@ -146,7 +146,8 @@ class DistributedModel(DistributedDataParallel):
     the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
     gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco (streaming too),
-    decentralized without compression and async_model_average; others are refused. The rendezvous store must
+    decentralized and low_precision_decentralized, and async_model_average; auto and hierarchical allreduce
+    are refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 

@@ -40,10 +40,11 @@ ALGORITHMS = {  # the algorithms fault tolerance supports, with the options the 
     "diloco+minmax_uint8": {"period": 4, "compression": "minmax_uint8"},
     "diloco+streaming": {"period": 4, "overlap": 1, "fragments": 2},
     "decentralized": {"peer_selection": "ring"},
+    "low_precision_decentralized": {},
     "async_model_average": {"sync_interval_ms": 100},
 }
 # replicas differ by design: the end-of-run check is that every member finished
-DIFFERING = {"decentralized", "async_model_average"}
+DIFFERING = {"decentralized", "low_precision_decentralized", "async_model_average"}
 # its ranks do not wait for each other, so its loops are short: long enough that a SIGSTOPped worker's
 # heartbeat times out, and its replacement is admitted, while the others still train
 STEPS_OF = {"async_model_average": 200}

@@ -32,6 +32,7 @@ from test_elastic_membership import _batch, _flat, _join, _net
 
 STEPS = 18
 STEPS_OF = {"decentralized": 30,  # its joiners are admitted interval * (P + 2) steps after rank 0 sees them
+            "low_precision_decentralized": 30,
             "async_model_average": 100}  # its ranks do not wait for each other: enough steps for a join
 
 
@@ -372,26 +373,30 @@ def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, opt
         _assert_a_fresh_run_ends_alike(out, algo, options, members, start, {**res, P: joiner})
 
 
-DECENTRALIZED = [  # (options, P, {rank: step it is killed at}, replaced)
-    ({"peer_selection": "ring"}, 5, {2: 4}, False),
-    ({"peer_selection": "ring"}, 4, {0: 3, 2: 11}, False),  # two kills, rank 0 first: 4 -> 3 -> 2
-    ({"peer_selection": "shift_one", "communication_interval": 2}, 4, {1: 5}, False),
-    ({"peer_selection": "ring"}, 4, {1: 3}, True),
-    ({"peer_selection": "all"}, 3, {0: 4}, True),
+DECENTRALIZED = [  # (algorithm, options, P, {rank: step it is killed at}, replaced)
+    ("decentralized", {"peer_selection": "ring"}, 5, {2: 4}, False),
+    ("decentralized", {"peer_selection": "ring"}, 4, {0: 3, 2: 11}, False),  # two kills, rank 0 first: 4 -> 3 -> 2
+    ("decentralized", {"peer_selection": "shift_one", "communication_interval": 2}, 4, {1: 5}, False),
+    ("decentralized", {"peer_selection": "ring"}, 4, {1: 3}, True),
+    ("decentralized", {"peer_selection": "all"}, 3, {0: 4}, True),
+    # compressed gossip (CHOCO): each rank's copies of its neighbours are made again with the new ring
+    ("decentralized", {"peer_selection": "ring", "compression": "minmax_uint8"}, 5, {2: 4, 0: 12}, False),
+    ("low_precision_decentralized", {}, 4, {1: 3}, True),  # ring_one_way
+    ("low_precision_decentralized", {"peer_selection": "all", "compression": "sign"}, 4, {0: 5}, True),
 ]
 
 
-@pytest.mark.parametrize("options,P,kills,replaced", DECENTRALIZED,
-                         ids=[f"{o['peer_selection']}-P{P}-kill{len(k)}{'-join' if j else ''}"
-                              for o, P, k, j in DECENTRALIZED])
-def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, kills, replaced):
+@pytest.mark.parametrize("algo,options,P,kills,replaced", DECENTRALIZED,
+                         ids=[f"{a}-{o.get('peer_selection', 'default')}{'-' + o['compression'] if 'compression' in o else ''}"
+                              f"-P{P}-kill{len(k)}{'-join' if j else ''}" for a, o, P, k, j in DECENTRALIZED])
+def test_decentralized_re_forms_its_ring_and_admits_a_replacement(algo, options, P, kills, replaced):
     """Decentralized SGD has no collective of all ranks: a neighbour of the lost worker meets the loss in
     its exchange, the others at their next step's look at the store. The survivors keep their own weights
     (replicas differ by design), drop the exchange in flight where it had not completed, take the furthest
     survivor's step and exchange counts, and re-form the ring. A replacement is admitted at the step rank 0
     posts in the store and starts from rank 0's weights; the members keep theirs. After the last change the
     run is bit for bit a fresh run of its members from the state each had then."""
-    algo, steps = "decentralized", _steps("decentralized")
+    steps = _steps(algo)
     out, survivors, res = _killed_run("bagua_lite_decentralized_", P, algo, options, kills, replaced)
     members = survivors + ([P] if replaced else [])
     for r, x in res.items():
@@ -418,6 +423,22 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(options, P, ki
         for r in survivors[1:]:
             other = res[r]["snap"][1]["module"]
             assert any(not torch.equal(v, other[k]) for k, v in src["module"].items()), r
+    if "x_hat" in res[survivors[0]]["snap"][1]["algorithm"]:  # compressed gossip: CHOCO's copies made again
+        n, selection = len(members), options.get("peer_selection", "ring_one_way")
+        x_hat = {i: res[m]["snap"][1]["algorithm"]["x_hat"][0] for i, m in enumerate(members)}
+        for i, m in enumerate(members):
+            own = torch.cat([v.reshape(-1) for v in res[m]["snap"][1]["module"].values()])
+            assert torch.equal(x_hat[i], own), m  # its copy is its weights
+            frm = [j for j in range(n) if j != i] if selection == "all" else \
+                [(i - 1) % n] if selection == "ring_one_way" else sorted({(i - 1) % n, (i + 1) % n} - {i})
+            expected = torch.zeros_like(own)
+            for j in frm:
+                expected += x_hat[j]
+            got = res[m]["snap"][1]["algorithm"]["nbr_sum"][0]
+            if selection == "all":  # an allreduce of every copy minus its own: the same up to rounding
+                assert torch.allclose(got, expected, rtol=0, atol=1e-5), m
+            else:  # received exactly, summed in the order of the neighbours
+                assert torch.equal(got, expected), m
     _assert_a_fresh_run_ends_alike(out, algo, options, members, start, res)
 
 

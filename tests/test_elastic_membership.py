@@ -365,9 +365,7 @@ def _refusals(rank, P, port, out):
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     errors = {}
-    for name, options in (("decentralized", {"compression": "minmax_uint8"}),
-
-                          ("gradient_allreduce", {"hierarchical": True}), ("auto", {})):
+    for name, options in (("gradient_allreduce", {"hierarchical": True}), ("auto", {})):
         try:
             bagua_lite.DistributedModel(net, opt, build(name, **options), fault_tolerant=True).close()
             errors[name] = None
