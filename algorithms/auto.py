@@ -61,8 +61,34 @@ class Auto(Algorithm):
         self.picked_label = None
         self.decision = None
 
+    # ---- fault tolerance (DistributedModel(..., fault_tolerant=True)) ---------------------------------------
+    @property
+    def supports_membership_change(self):
+        """When every candidate does: once it picked, the pick is the model's algorithm and heals itself as
+        it would on its own. A worker lost during the probe ends the run (:meth:`heal`); workers waiting
+        to join wait for the pick (``admits_joiners``), then get it from rank 0 with the state."""
+        return all(getattr(build(name, **opts), "supports_membership_change", False) for name, opts in self.candidates)
+
+    #: while probing: a lost worker is met before a local step or in a probe round, and ends in heal()
+    heals_itself = True
+    #: while probing (the pick admits them once it runs)
+    admits_joiners = False
+
+    def heal(self):
+        from bagua_lite.elastic import MembershipError
+        raise MembershipError(f"auto: a worker was lost during its probe (its first {self.probe_steps} steps, at "
+                              f"step {self.step}), before it picked an algorithm: restart the job, or name the "
+                              f"algorithm in the config")
+
     # ---- set-up ------------------------------------------------------------------------------------------
     def init(self, model):
+        elastic = model._elastic
+        if elastic is not None and elastic.membership.generation > 0:  # a joiner: rank 0's pick, not a probe
+            import torch.distributed as dist
+            box = [None]
+            dist.broadcast_object_list(box, group_src=0, group=model.process_group)  # DistributedModel._admit
+            self.load_state_dict(box[0])  # hands the model the pick, set up as the members' regroup() did
+            return
         self.probe = Probe(model)
         self.network, self.network_source, self.machine = network_and_machine(model, self.network_option,
                                                                               self.machine_option)

@@ -8,8 +8,14 @@ Options:
 ``hierarchical``   reduce inside each node, allreduce among node leaders, broadcast inside each node.
 ``ranks_per_node`` node size for ``hierarchical`` (0: torchrun's ``LOCAL_WORLD_SIZE``); set it to test
                    the hierarchy on one machine.
+
+With ``fault_tolerant=True`` the nodes are found, not counted: ranks that share a host (with
+``ranks_per_node``: whose member id, their first generation's rank, falls in the same block of that many)
+form a node, whatever their ranks are after a loss or a join; a node may be left with fewer ranks than
+the others, and a joiner's node is its host's (with ``ranks_per_node``, its id's block).
 """
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -55,11 +61,23 @@ class GradientAllReduce(Algorithm):
         self.residuals = [torch.zeros_like(b.flat) if feedback else None for b in model.buckets]
         # checkpointed, and put back by the framework if a round is discarded (some rank's gradient non-finite)
         self.register_state("residuals", [r for r in self.residuals if r is not None], rollback=True)
-        if not self.hierarchical:
-            return
-        n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
+        if self.hierarchical:
+            self._node_groups(model)
+
+    def _node_groups(self, model):
+        """The groups inside each node and among the node leaders (collective)."""
         world = dist.get_process_group_ranks(model.process_group)
-        nodes = [world[i:i + n] for i in range(0, len(world), n)]
+        if model._elastic is None:
+            n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
+            nodes = [world[i:i + n] for i in range(0, len(world), n)]
+        else:  # the members' ranks change with every membership: a node is the ranks that share a host
+            me = model._elastic.membership.me
+            keys = [None] * len(world)
+            dist.all_gather_object(keys, me // self.ranks_per_node if self.ranks_per_node else socket.gethostname(),
+                                   group=model.process_group)
+            order = list(dict.fromkeys(keys))
+            nodes = [[r for r, k in zip(world, keys) if k == key] for key in order]
+        self.nodes = nodes
         # Every rank creates every group, in the same order (new_group is collective).
         self.intra = None
         for node in nodes:
@@ -70,11 +88,13 @@ class GradientAllReduce(Algorithm):
         g = new_group_like(model.process_group, leaders)
         self.inter = g if dist.get_rank() in leaders else None
 
-    @property
-    def supports_membership_change(self):
-        """Survivors carry on (fault_tolerant=True), flat only: the hierarchical groups assume whole nodes.
-        Error-feedback residuals are each rank's own and stay (put back to before the lost round)."""
-        return not self.hierarchical
+    #: survivors carry on (fault_tolerant=True): error-feedback residuals are each rank's own and stay (put
+    #: back to before the lost round); hierarchical: the nodes are found again (:meth:`regroup`)
+    supports_membership_change = True
+
+    def regroup(self):
+        if self.hierarchical:
+            self._node_groups(self.model)
 
     def _cast_allreduce(self):
         """fp16 without error feedback and not hierarchical: an allreduce of the half-precision bucket

@@ -90,10 +90,12 @@ def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, 
     """``fault_tolerant=True``'s arguments, refused before any traffic (the same on every rank)."""
     if not getattr(algorithm, "supports_membership_change", False):
         raise ValueError(
-            f"DistributedModel: fault_tolerant=True supports gradient_allreduce (not hierarchical; any "
-            f"compression), topk, gtopk, powersgd, local_sgd/diloco, decentralized and "
-            f"low_precision_decentralized, qadam and async_model_average (any of their options); got "
-            f"{algorithm.name} ({algorithm!r}). auto is not supported yet")
+            f"DistributedModel: fault_tolerant=True needs an algorithm that carries on when the membership "
+            f"changes (Algorithm.supports_membership_change): every built-in one does, with any options "
+            f"(gradient_allreduce, topk, gtopk, powersgd, qadam, local_sgd, diloco, decentralized, "
+            f"low_precision_decentralized, async_model_average, and auto when each of its candidates does); "
+            f"got {algorithm.name} ({algorithm!r}), which does not say it does (docs/fault_tolerance.md: what an "
+            f"algorithm of one's own needs)")
     top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
     if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
         raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
@@ -146,8 +148,8 @@ class DistributedModel(DistributedDataParallel):
     the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
     gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco (streaming too),
-    decentralized and low_precision_decentralized, and async_model_average; auto and hierarchical allreduce
-    are refused. The rendezvous store must
+    decentralized and low_precision_decentralized, async_model_average, and auto (every built-in, any
+    options); an algorithm of one's own that does not set ``supports_membership_change`` is refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 
@@ -314,6 +316,9 @@ class DistributedModel(DistributedDataParallel):
         if not joining:
             self._check_same_config()
             self._share_weights(0, keep_own=self.algorithm.replicas_differ)
+            if self.configured_algorithm is not self.algorithm:  # auto's pick: a joiner's auto takes it in init
+                box = [self.configured_algorithm.state_dict() if self.rank == 0 else None]
+                dist.broadcast_object_list(box, group_src=0, group=self.process_group)
             self.algorithm.regroup()
             for b in self.buckets:
                 b.ops = list(self.algorithm.bucket_ops(b))
@@ -506,14 +511,15 @@ class DistributedModel(DistributedDataParallel):
         (and, for the layout, the first differing parameter) before any collective that could abort."""
         layout = [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
                   for name, p in self.module.named_parameters()]
-        mine = torch.tensor([_config_digest(self.algorithm, self.bucket_size_mb), _digest(layout)], dtype=torch.int64)
+        configured = getattr(self, "configured_algorithm", self.algorithm)  # auto, also once it picked
+        mine = torch.tensor([_config_digest(configured, self.bucket_size_mb), _digest(layout)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self.process_group)
         differ = [r for r, d in enumerate(everyone) if int(d[0]) != int(everyone[0][0])]
         if differ:
             raise ValueError(f"DistributedModel: ranks were started with different configurations: rank(s) "
                              f"{differ} differ from rank 0 (this is rank {self.rank}, running "
-                             f"{self.algorithm!r}, bucket_size_mb={self.bucket_size_mb})")
+                             f"{configured!r}, bucket_size_mb={self.bucket_size_mb})")
         differ = [r for r, d in enumerate(everyone) if int(d[1]) != int(everyone[0][1])]
         if differ:
             layouts = [None] * self.world_size

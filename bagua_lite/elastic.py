@@ -474,7 +474,8 @@ class Controller:
     def joiners_waiting(self) -> int:
         """Rank 0: the number of workers waiting to join, looked up at most every JOIN_POLL_S (0 between);
         the others: 0. Rides in the step agreement, so every member learns it at the same step."""
-        if self.model.rank != 0 or time.monotonic() < self.next_join_check:
+        if self.model.rank != 0 or time.monotonic() < self.next_join_check \
+                or not getattr(self.model.algorithm, "admits_joiners", True):  # auto while it probes
             return 0
         self.next_join_check = time.monotonic() + JOIN_POLL_S
         try:

@@ -97,7 +97,8 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
                 res["first_step_s"] = time.time() - started
         opt.zero_grad()
         time.sleep(0.05)  # a step of a real model: the replacement starts while the others train
-    res.update(weights=_flat(net), me=me, members=model._elastic.membership.members, world=model.world_size)
+    res.update(weights=_flat(net), me=me, members=model._elastic.membership.members, world=model.world_size,
+               active=repr(model.algorithm))
     torch.save(res, os.path.join(out, f"result_{me}.pt"))
     model.close()
 
@@ -640,3 +641,28 @@ def test_streaming_diloco_survivors_behind_by_a_merge_take_it_from_one_that_made
         for i, st in fa["outer"]["state"].items():
             assert torch.equal(st["momentum_buffer"], fb["outer"]["state"][i]["momentum_buffer"]), (r, i)
     _assert_a_fresh_run_ends_alike(out, "diloco", options, [0, 1, 2], start, res)
+
+
+AUTO = {"probe_steps": 0, "compute_s": 0.01, "network": {"alpha": 1e-4, "beta": 1e-6},  # 1 MB/s: sparse wins
+        "machine": {"topk_s_per_elem": 0.0, "quantize_s_per_elem": 0.0, "fp16_s_per_elem": 0.0,
+                    "add_s_per_elem": 0.0},
+        "candidates": ["gradient_allreduce", {"name": "gtopk", "options": {"density": 0.1}}],
+        "efficiency": {"gtopk(density=0.1)": 1.0}}
+
+
+def test_auto_carries_on_with_its_pick_and_a_joiner_takes_the_pick_from_rank_0():
+    """auto hands the model its pick, which then heals as it does on its own; a joiner's auto does not
+    probe: it takes rank 0's pick (and decision) and is set up with it where the members regroup."""
+    P = 4
+    out, survivors, res = _killed_run("bagua_lite_auto_", P, "auto", AUTO, {1: 4}, True)
+    joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+    members = survivors + [P]
+    start = joiner["joined_at"]
+    for r, x in res.items():
+        assert x["discarded"] == [4] and x["active"].startswith("GTopK(") and x["members"] == members, x
+        assert x["snap"][0] == start
+    assert joiner["active"] == res[0]["active"] and joiner["snap"][1]["algorithm"]["configured"]["picked"] == \
+        res[0]["snap"][1]["algorithm"]["configured"]["picked"]
+    for s in range(start, STEPS):  # replicas bit-identical from the join on
+        assert len({res[r]["digests"][s] for r in survivors} | {joiner["digests"][s]}) == 1, s
+    _assert_a_fresh_run_ends_alike(out, "auto", AUTO, members, start, {**res, P: joiner})

@@ -111,7 +111,8 @@ def _train(rank, P, port, out, algo, options, kills, min_workers, window, batchn
             i = model.algorithm.step if follows_step else i + 1
     except bagua_lite.MembershipError as e:
         result["error"] = (str(e), time.time())
-    result.update(weights=_flat(net), steps=model.algorithm.step, world=model.world_size, changes=changes)
+    result.update(weights=_flat(net), steps=model.algorithm.step, world=model.world_size, changes=changes,
+                  nodes=getattr(model.algorithm, "nodes", None))
     torch.save(result, os.path.join(out, f"result_{rank}.pt"))
     model.close()
 
@@ -360,12 +361,27 @@ def test_a_failure_with_every_worker_alive_raises_on_every_rank():
     assert "deliberate failure" in torch.load(os.path.join(out, "bug_1.pt"), weights_only=False)[1]
 
 
+@bagua_lite.algorithms.register("ft_not_elastic_test")
+class NotElastic(bagua_lite.Algorithm):
+    """An algorithm of one's own that does not say it carries on after a membership change."""
+
+    def bucket_ops(self, bucket):
+        return [self.native.AllreduceOp(self.process_group, True)]
+
+    @classmethod
+    def traffic(cls, options, P, numels, elem_bytes=4, machine=None, rank=None):  # so auto may name it
+        dense = type(build("gradient_allreduce"))
+        return dense.traffic({"compression": "none", "hierarchical": False, "ranks_per_node": 0}, P, numels,
+                             elem_bytes, machine, rank)
+
+
 def _refusals(rank, P, port, out):
     _join(port, rank, P)
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     errors = {}
-    for name, options in (("gradient_allreduce", {"hierarchical": True}), ("auto", {})):
+    for name, options in (("ft_not_elastic_test", {}),
+                          ("auto", {"candidates": ["gtopk", "ft_not_elastic_test"]})):
         try:
             bagua_lite.DistributedModel(net, opt, build(name, **options), fault_tolerant=True).close()
             errors[name] = None
@@ -377,7 +393,7 @@ def _refusals(rank, P, port, out):
     torch.save(errors, os.path.join(out, "refusals.pt"))
 
 
-def test_other_algorithms_are_refused_with_fault_tolerant():
+def test_an_algorithm_that_does_not_opt_in_is_refused_with_fault_tolerant():
     out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
     _, codes = _launch(1, _refusals, out)
     assert codes == [0]
@@ -385,4 +401,40 @@ def test_other_algorithms_are_refused_with_fault_tolerant():
     assert errors.pop("default_has_no_controller") is True
     for name, msg in errors.items():
         assert msg is not None, f"{name} was accepted with fault_tolerant=True"
-        assert "gradient_allreduce" in msg and "topk, gtopk, powersgd" in msg and name in msg, msg
+        assert "supports_membership_change" in msg and "every built-in one does" in msg and name in msg, msg
+
+
+def test_a_worker_lost_during_autos_probe_ends_the_run_with_a_clear_error():
+    """auto's probe steps measure the job before it picks: a loss there is not healed (nothing is picked to
+    heal it); every survivor raises MembershipError naming the probe, instead of a stray error or a hang."""
+    options = {"probe_steps": 6, "network": {"alpha": 1e-4, "beta": 1e-6},
+               "machine": {"topk_s_per_elem": 0.0, "quantize_s_per_elem": 0.0, "fp16_s_per_elem": 0.0,
+                           "add_s_per_elem": 0.0},
+               "candidates": ["gradient_allreduce", {"name": "gtopk", "options": {"density": 0.1}}]}
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    _, codes = _launch(4, _train, out, "auto", options, {2: 2}, 1, 2.0)
+    assert codes == [0, 0, -signal.SIGKILL, 0], codes
+    for r in (0, 1, 3):
+        res = torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False)
+        assert res["error"] is not None, f"rank {r} carried on"
+        assert "lost during its probe" in res["error"][0] and "restart" in res["error"][0], res["error"][0]
+
+
+def test_hierarchical_allreduce_finds_its_nodes_again():
+    """Hierarchical allreduce on two "nodes" of two ranks (ranks_per_node 2): rank 1 dies, so node 0 keeps one
+    rank and the survivors' ranks are 0, 1, 2 for member ids 0, 2, 3. The nodes are found by member id, not
+    counted by rank: [[0], [1, 2]] (a fresh run at P = 3 would count [[0, 1], [2]]). The survivors go on
+    bit-identical; their final weights equal the fresh run's up to the order of the sums."""
+    options = {"hierarchical": True, "ranks_per_node": 2}
+    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    _, codes = _launch(4, _train, out, "gradient_allreduce", options, {1: 4}, 1, 2.0)
+    assert codes == [0, -signal.SIGKILL, 0, 0], codes
+    results = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 2, 3)}
+    for r, res in results.items():
+        assert res["error"] is None and [d[0] for d in res["discarded"]] == [4], res["discarded"]
+        assert res["nodes"] == [[0], [1, 2]], res["nodes"]
+        assert res["digests"] == results[0]["digests"] and sorted(res["digests"]) == [i for i in range(STEPS) if i != 4]
+    _, ref_codes = _launch(3, _reference, out, "gradient_allreduce", options, [0, 2, 3], 4, False)
+    assert ref_codes == [0] * 3, ref_codes
+    ref = torch.load(os.path.join(out, "reference_0.pt"), weights_only=False)["weights"]
+    assert torch.allclose(results[0]["weights"], ref, rtol=0, atol=1e-5), (results[0]["weights"] - ref).abs().max()
