@@ -21,7 +21,8 @@ in whatever call of the step it learns it (forward, backward):
    next generation number; the set is closed once every member of the last generation registered, or
    ``rejoin_window_s`` seconds after this rank registered, by one atomic ``compare_set`` that only the first
    closer wins, so every survivor reads the same set (a rank registering after it is excluded and raises);
-3. makes the next generation's default process group among the members (see below), checks on it that
+3. makes the next generation's default process group among the members (see below; a member lost while
+   they connect, or in their first collective, is left out by one more generation, formed the same way), checks on it that
    every member is at the same step count (one behind by a step whose agreement reached the others only
    takes that step late from them), and rebuilds what depends on the group: ``process_group``, ``rank``,
    ``world_size``, the fail-fast key, the algorithm's bucket ops. Per-rank state that stays consistent is
@@ -145,12 +146,18 @@ def reform(base, g, members, me, backend, timeout, watch=None):
     default group (and every group made from it) destroyed, a new one made by the members only on a store
     prefix of its own, with the old backend and timeout. ``watch`` (a :class:`PulseWatch` of the members):
     called every half second while gloo connects, so a member that dies or stops now raises
-    :class:`MembershipError` within the heartbeat timeout instead of holding the others for the group's."""
+    :class:`MembershipError` within the heartbeat timeout instead of holding the others for the group's
+    (after a loss the survivors then form the next generation without it; while admitting a joiner it ends
+    the run). The connecting thread is left to the group's timeout: it cannot complete without that member."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
+    # A client of its own: gloo's rendezvous blocks its client in get() until every member has written its
+    # address, and one left waiting for a lost member must not hold the client the membership agrees on.
+    store = _own_client(base) if watch is not None else base
+
     def connect():
-        dist.init_process_group(backend, store=dist.PrefixStore(f"{KEY}/gen{g}", base), rank=members.index(me),
+        dist.init_process_group(backend, store=dist.PrefixStore(f"{KEY}/gen{g}", store), rank=members.index(me),
                                 world_size=len(members), timeout=timeout)
     if watch is None:
         connect()
@@ -166,7 +173,7 @@ def reform(base, g, members, me, backend, timeout, watch=None):
             watch()
         except PeerFailedError as e:  # the connecting thread is left to the group's timeout
             raise MembershipError(f"bagua_lite: a member was lost again while the members {members} formed "
-                                  f"generation {g}'s process group: {e}. Restart from a checkpoint") from e
+                                  f"generation {g}'s process group: {e}") from e
     error = worker.take_error()
     if error is not None:
         raise error
@@ -353,6 +360,7 @@ class Controller:
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
         self.admit_at = None  # store admission (Algorithm.store_admission_margin): the step count to admit at
         self.pending = None       # the MembershipChanged that this step's optimizer.step() raises
+        self.reformed_again = 0   # generations formed again because a member was lost while forming one
         self.comm_error = None    # the last exception of the model's own step-control collective
         #: the last recovery: when it started (time.time()), seconds to agree on the members, seconds to
         #: build the new group and check it
@@ -379,29 +387,36 @@ class Controller:
         with torch.no_grad():
             for b in m.buckets:
                 b.flat.zero_()
-        old_members, old_world, step = self.membership.members, m.world_size, alg.step
-        members = self.membership.next()
-        g = self.membership.generation
-        t1 = time.monotonic()
-        if len(members) == len(old_members):
-            raise RuntimeError(f"bagua_lite: a collective failed at step {step} and every member is still "
-                               f"there (generation {g}): not a lost worker, so the model does not carry on "
-                               f"(this is rank {m.rank}): {error}") from error
-        if len(members) < self.min_workers:
-            msg = (f"bagua_lite: only {len(members)} worker(s) left (global ranks {members}), fewer than "
-                   f"min_workers={self.min_workers}: training cannot go on (this is global rank "
-                   f"{self.membership.me}, step {step}). Save a checkpoint from the state you have and restart "
-                   f"with more workers")
-            m._failfast.failed = msg
-            raise MembershipError(msg) from error
-        self.membership.members = members
-        self._use(g, members)
-        try:
-            steps = [r[0] for r in m._gather_ints([step])]
-        except Exception as e:  # noqa: BLE001 - another failure while re-forming
-            m._failfast.failed = str(e)
-            raise MembershipError(f"bagua_lite: a peer failed again while the survivors {members} re-formed "
-                                  f"the group (generation {g}): {e}") from e
+        old_world, step = m.world_size, alg.step
+        while True:  # one generation per try: a member lost while the others re-form is left out by the next
+            last = self.membership.members
+            members = self.membership.next()
+            g = self.membership.generation
+            t1 = time.monotonic()
+            if len(members) == len(last):
+                raise RuntimeError(f"bagua_lite: a collective failed at step {step} and every member is still "
+                                   f"there (generation {g}): not a lost worker, so the model does not carry on "
+                                   f"(this is rank {m.rank}): {error}") from error
+            if len(members) < self.min_workers:
+                msg = (f"bagua_lite: only {len(members)} worker(s) left (global ranks {members}), fewer than "
+                       f"min_workers={self.min_workers}: training cannot go on (this is global rank "
+                       f"{self.membership.me}, step {step}). Save a checkpoint from the state you have and restart "
+                       f"with more workers")
+                m._failfast.failed = msg
+                raise MembershipError(msg) from error
+            self.membership.members = members
+            try:
+                self._use(g, members)  # a member lost while gloo connects: MembershipError (heartbeat watch)
+                steps = [r[0] for r in m._gather_ints([step])]  # one lost after it: its failure, fail fast
+                break
+            except (MembershipError, RuntimeError) as e:  # PeerFailedError is one
+                self.reformed_again += 1
+                error = e
+                from ._failfast import FailFast
+                FailFast(m.rank, f"{KEY}/gen{g}/failed").announce(f"lost while re-forming: {e}")  # the others
+                if not m._engine_abandoned:  # of generation g stop waiting in its first collective
+                    m._engine.abandon()
+                m._engine, m._engine_abandoned = _C.Engine(), False
         healed = ""
         if periodic:
             try:
