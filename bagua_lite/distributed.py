@@ -147,9 +147,10 @@ class DistributedModel(DistributedDataParallel):
     others waited for it (a stopped or hung process, whose connections stay open) is treated as lost, so
     the survivors do not wait for the process group's timeout. A worker started later with
     ``bagua_lite.init_process_group()`` joins at a step boundary and receives the state from rank 0. For
-    gradient_allreduce (flat, any compression), topk, gtopk, powersgd, qadam, local_sgd/diloco (streaming too),
-    decentralized and low_precision_decentralized, async_model_average, and auto (every built-in, any
-    options); an algorithm of one's own that does not set ``supports_membership_change`` is refused. The rendezvous store must
+    every built-in algorithm with any options (gradient_allreduce, hierarchical too, topk, gtopk, powersgd,
+    qadam, local_sgd/diloco, streaming too, decentralized and low_precision_decentralized,
+    async_model_average, and auto); an algorithm of one's own that does not set
+    ``supports_membership_change`` is refused. The rendezvous store must
     outlive every worker (served outside the workers; not under torchrun, whose agent tears every worker
     down when one fails: docs/fault_tolerance.md).
 

@@ -360,10 +360,9 @@ class Controller:
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
         self.admit_at = None  # store admission (Algorithm.store_admission_margin): the step count to admit at
         self.pending = None       # the MembershipChanged that this step's optimizer.step() raises
-        self.reformed_again = 0   # generations formed again because a member was lost while forming one
         self.comm_error = None    # the last exception of the model's own step-control collective
         #: the last recovery: when it started (time.time()), seconds to agree on the members, seconds to
-        #: build the new group and check it
+        #: build the new group and check it, generations given up (a member lost while forming them)
         self.last_recovery = None
 
     def recover(self, error, buckets_done=False, periodic=False):
@@ -387,7 +386,7 @@ class Controller:
         with torch.no_grad():
             for b in m.buckets:
                 b.flat.zero_()
-        old_world, step = m.world_size, alg.step
+        old_world, step, tries = m.world_size, alg.step, 0
         while True:  # one generation per try: a member lost while the others re-form is left out by the next
             last = self.membership.members
             members = self.membership.next()
@@ -410,7 +409,7 @@ class Controller:
                 steps = [r[0] for r in m._gather_ints([step])]  # one lost after it: its failure, fail fast
                 break
             except (MembershipError, RuntimeError) as e:  # PeerFailedError is one
-                self.reformed_again += 1
+                tries += 1
                 error = e
                 from ._failfast import FailFast
                 FailFast(m.rank, f"{KEY}/gen{g}/failed").announce(f"lost while re-forming: {e}")  # the others
@@ -446,7 +445,8 @@ class Controller:
         alg.regroup()
         for b in m.buckets:
             b.ops = list(alg.bucket_ops(b))
-        self.last_recovery = {"started_at": started, "membership_s": t1 - t0, "regroup_s": time.monotonic() - t1}
+        self.last_recovery = {"started_at": started, "membership_s": t1 - t0, "regroup_s": time.monotonic() - t1,
+                              "generations_given_up": tries}
         if self.callback is not None:
             self.callback(old_world, m.world_size)
         if periodic and self.grow_after_step:  # the healed sync said joiners wait: admit them now, where every

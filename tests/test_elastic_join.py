@@ -249,23 +249,13 @@ def _split(rank, P, port, out, algo, options, k, victim, behind):
                 raise e
             return rows
         model._gather_ints = failing
-    while model.algorithm.step < STEPS:
-        s = model.algorithm.step
-        x, y = _batch(rank, s)
-        try:
-            F.cross_entropy(model(x), y).backward()
-            if rank == victim and s == k:
-                os.kill(os.getpid(), signal.SIGKILL)  # after its part of the agreement went out
-            opt.step()
-        except bagua_lite.MembershipChanged:
-            res["discarded"].append(s)
-            res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
-        else:
-            res["digests"][s] = _digest(net)
-        opt.zero_grad()
-    res.update(weights=_flat(net), me=rank)
-    torch.save(res, os.path.join(out, f"result_{rank}.pt"))
-    model.close()
+    def after_backward(s):
+        if rank == victim and s == k:
+            os.kill(os.getpid(), signal.SIGKILL)  # after its part of the agreement went out
+
+    def on_change(s):
+        res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
+    _train_and_save(model, net, opt, rank, STEPS, res, out, after_backward=after_backward, on_change=on_change)
 
 
 @pytest.mark.parametrize("algo,options", [("gradient_allreduce", {}), ("gradient_allreduce", {"compression": "sign"}),
@@ -374,6 +364,32 @@ def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, opt
         _assert_a_fresh_run_ends_alike(out, algo, options, members, start, {**res, P: joiner})
 
 
+def _every_change_alike(out, res, survivors, P, kills, replaced, steps):
+    """For the algorithms whose survivors may stand at different step counts when they meet a loss: one
+    MembershipChanged per loss on every survivor, the changes' world sizes, every survivor leaving the last
+    change at one step count, and a joiner (``replaced``, added to ``res``) with rank 0's module. Returns
+    (members, that step count, rank 0's snapshot there, the joiner's or None)."""
+    members = survivors + ([P] if replaced else [])
+    for r, x in res.items():
+        assert len(x["discarded"]) == len(kills), (r, x["discarded"], x.get("messages"))  # one per loss
+        assert [c[:2] for c in x["changes"]] == [(P - i, P - i - 1) for i in range(len(kills))] + \
+            ([(P - len(kills), P - len(kills) + 1)] if replaced else []), x["changes"]
+        assert x["members"] == members and x["world"] == len(members)
+    starts = {res[r]["snap"][0] for r in survivors}  # the furthest survivor's step count, on every one
+    assert len(starts) == 1, starts
+    start = starts.pop()
+    assert max(kills.values()) <= start < steps, (start, kills)
+    src, mine = res[survivors[0]]["snap"][1], None
+    if replaced:
+        joiner = res[P] = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
+        assert joiner["joined_at"] == start and joiner["members"] == members
+        assert sorted(joiner["digests"]) == list(range(start, steps))
+        mine = joiner["snap"][1]
+        for k, v in src["module"].items():  # rank 0's weights
+            assert torch.equal(v, mine["module"][k]), k
+    return members, start, src, mine
+
+
 DECENTRALIZED = [  # (algorithm, options, P, {rank: step it is killed at}, replaced)
     ("decentralized", {"peer_selection": "ring"}, 5, {2: 4}, False),
     ("decentralized", {"peer_selection": "ring"}, 4, {0: 3, 2: 11}, False),  # two kills, rank 0 first: 4 -> 3 -> 2
@@ -399,24 +415,8 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(algo, options,
     run is bit for bit a fresh run of its members from the state each had then."""
     steps = _steps(algo)
     out, survivors, res = _killed_run("bagua_lite_decentralized_", P, algo, options, kills, replaced)
-    members = survivors + ([P] if replaced else [])
-    for r, x in res.items():
-        assert len(x["discarded"]) == len(kills), (r, x["discarded"], x.get("messages"))  # one per loss
-        assert [c[:2] for c in x["changes"]] == [(P - i, P - i - 1) for i in range(len(kills))] + \
-            ([(P - len(kills), P - len(kills) + 1)] if replaced else []), x["changes"]
-        assert x["members"] == members and x["world"] == len(members)
-    # every survivor left each change at the same step count (the furthest one's)
-    starts = {res[r]["snap"][0] for r in survivors}
-    assert len(starts) == 1, starts
-    start = starts.pop()
-    assert max(kills.values()) <= start < steps, (start, kills)
-    if replaced:
-        joiner = res[P] = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
-        assert joiner["joined_at"] == start and joiner["members"] == members
-        assert sorted(joiner["digests"]) == list(range(start, steps))
-        src, mine = res[survivors[0]]["snap"][1], joiner["snap"][1]
-        for k, v in src["module"].items():  # rank 0's weights and optimizer state
-            assert torch.equal(v, mine["module"][k]), k
+    members, start, src, mine = _every_change_alike(out, res, survivors, P, kills, replaced, steps)
+    if replaced:  # rank 0's optimizer state too
         for i, st in src["optimizer"]["state"].items():
             assert torch.equal(st["momentum_buffer"], mine["optimizer"]["state"][i]["momentum_buffer"]), i
         assert mine["algorithm"]["exchanges"] == src["algorithm"]["exchanges"]
@@ -493,16 +493,31 @@ def _dies_in_the_sync(rank, P, port, out, algo, options, k, victim):
             return reduce_work(group)
         frag.reduce_work = dies
     res = {"digests": {}, "discarded": [], "snap": None}
-    while model.algorithm.step < STEPS:
-        s = model.algorithm.step
+
+    def at_top(s):
         if s == k:  # the reference run starts here, with P - 1 workers
             res["snap"] = (s, _snapshot(model, net, opt))
+    _train_and_save(model, net, opt, rank, STEPS, res, out, at_top)
+
+
+def _train_and_save(model, net, opt, rank, steps, res, out, at_top=None, after_backward=None, on_change=None):
+    """Train on this rank's data until the step count reaches ``steps`` (a discarded step is taken again:
+    its count did not move); ``at_top(step)`` first in each, ``after_backward(step)`` before its
+    ``optimizer.step()``, ``on_change(step)`` after a MembershipChanged; then save ``res`` with the final
+    weights."""
+    nothing = lambda s: None  # noqa: E731
+    at_top, after_backward, on_change = at_top or nothing, after_backward or nothing, on_change or nothing
+    while model.algorithm.step < steps:
+        s = model.algorithm.step
+        at_top(s)
         x, y = _batch(rank, s)
         try:
             F.cross_entropy(model(x), y).backward()
+            after_backward(s)
             opt.step()
         except bagua_lite.MembershipChanged:
             res["discarded"].append(s)
+            on_change(s)
         else:
             res["digests"][s] = _digest(net)
         opt.zero_grad()
@@ -552,23 +567,8 @@ def test_streaming_diloco_drops_the_syncs_in_flight_and_admits_through_the_store
     members from the state each had then."""
     algo, steps = "diloco", _steps("diloco", options)
     out, survivors, res = _killed_run("bagua_lite_streaming_", P, algo, options, kills, replaced)
-    members = survivors + ([P] if replaced else [])
-    for r, x in res.items():
-        assert len(x["discarded"]) == len(kills), (r, x["discarded"], x.get("messages"))  # one per loss
-        assert [c[:2] for c in x["changes"]] == [(P - i, P - i - 1) for i in range(len(kills))] + \
-            ([(P - len(kills), P - len(kills) + 1)] if replaced else []), x["changes"]
-        assert x["members"] == members and x["world"] == len(members)
-    starts = {res[r]["snap"][0] for r in survivors}  # every survivor left the last change at one step count
-    assert len(starts) == 1, starts
-    start = starts.pop()
-    assert max(kills.values()) <= start < steps, (start, kills)
+    members, start, src, mine = _every_change_alike(out, res, survivors, P, kills, replaced, steps)
     if replaced:
-        joiner = res[P] = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
-        assert joiner["joined_at"] == start and joiner["members"] == members
-        assert sorted(joiner["digests"]) == list(range(start, steps))
-        src, mine = res[survivors[0]]["snap"][1], joiner["snap"][1]
-        for k, v in src["module"].items():
-            assert torch.equal(v, mine["module"][k]), k
         for f, (a, b) in enumerate(zip(src["algorithm"]["fragments"], mine["algorithm"]["fragments"])):
             assert all(torch.equal(x, y) for x, y in zip(a["averager"]["anchors"], b["averager"]["anchors"])), f
             assert (a["pending"] is None) == (b["pending"] is None), f  # a sync in flight travels with the state
@@ -601,23 +601,12 @@ def _behind_at_a_merge(rank, P, port, out, options, victim, behind):
     def changed(old, new):
         res["snap"] = (alg.step, _snapshot(model, net, opt))
     model._elastic.callback = changed
-    while alg.step < _steps("diloco", options):
-        s = alg.step
+
+    def at_top(s):
         if rank == victim and s == 5:
             store.set(f"dead/{victim}", "1")
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = _batch(rank, s)
-        try:
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        except bagua_lite.MembershipChanged:
-            res["discarded"].append(s)
-        else:
-            res["digests"][s] = _digest(net)
-        opt.zero_grad()
-    res.update(weights=_flat(net), me=rank)
-    torch.save(res, os.path.join(out, f"result_{rank}.pt"))
-    model.close()
+    _train_and_save(model, net, opt, rank, _steps("diloco", options), res, out, at_top)
 
 
 def test_streaming_diloco_survivors_behind_by_a_merge_take_it_from_one_that_made_it():

@@ -303,6 +303,7 @@ def test_a_member_lost_while_the_survivors_re_form_is_left_out_by_the_next_gener
         assert res["error"] is None, res["error"]
         assert [d[:3] for d in res["discarded"]] == [(3, 4, 2)], res["discarded"]
         assert res["changes"] == [(4, 2)] and res["world"] == 2 and res["steps"] == STEPS - 1
+        assert res["recoveries"][0]["generations_given_up"] == 1, res["recoveries"]  # [0, 1, 3], then [0, 3]
         assert sorted(res["digests"]) == [i for i in range(STEPS) if i != 3]
     assert results[0]["digests"] == results[3]["digests"]
     _, ref_codes = _launch(2, _reference, out, "gradient_allreduce", {}, [0, 3], 3, False)
