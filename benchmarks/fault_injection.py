@@ -1,7 +1,7 @@
 """Fault injection for ``DistributedModel(..., fault_tolerant=True)``: workers SIGKILLed or SIGSTOPped
 while training, replacements started at once (as a process manager would), and what it costs.
 
-    python benchmarks/fault_injection.py matrix            # every supported algorithm x P = 4, 5 x faults
+    python benchmarks/fault_injection.py matrix            # every algorithm x P = 4, 5 x faults at random steps
     python benchmarks/fault_injection.py digits --every 30 # accuracy with a worker killed and replaced every 30 steps,
                                                            # then one kill recovered by torchrun --max-restarts
     python benchmarks/fault_injection.py restart           # that torchrun restart alone
@@ -32,6 +32,7 @@ import torch.nn.functional as F
 ALGORITHMS = {  # the algorithms fault tolerance supports, with the options the matrix runs them with
     "gradient_allreduce": {},
     "gradient_allreduce+sign": {"compression": "sign"},
+    "gradient_allreduce+hierarchical": {"hierarchical": True, "ranks_per_node": 2},
     "topk": {"density": 0.1},
     "gtopk": {"density": 0.1},
     "powersgd": {"rank": 2, "warmup_steps": 2},
@@ -42,9 +43,16 @@ ALGORITHMS = {  # the algorithms fault tolerance supports, with the options the 
     "decentralized": {"peer_selection": "ring"},
     "low_precision_decentralized": {},
     "async_model_average": {"sync_interval_ms": 100},
+    # a network of 1 MB/s given, so that it picks gtopk at once (no probe steps)
+    "auto": {"probe_steps": 0, "compute_s": 0.01, "network": {"alpha": 1e-4, "beta": 1e-6},
+             "machine": {"topk_s_per_elem": 0.0, "quantize_s_per_elem": 0.0, "fp16_s_per_elem": 0.0,
+                         "add_s_per_elem": 0.0},
+             "candidates": ["gradient_allreduce", {"name": "gtopk", "options": {"density": 0.1}}],
+             "efficiency": {"gtopk(density=0.1)": 1.0}},
 }
-# replicas differ by design: the end-of-run check is that every member finished
-DIFFERING = {"decentralized", "low_precision_decentralized", "async_model_average"}
+# replicas differ by design (streaming diloco: between a fragment's merges): the end-of-run check is that every
+# member finished
+DIFFERING = {"decentralized", "low_precision_decentralized", "async_model_average", "diloco+streaming"}
 # its ranks do not wait for each other, so its loops are short: long enough that a SIGSTOPped worker's
 # heartbeat times out, and its replacement is admitted, while the others still train
 STEPS_OF = {"async_model_average": 200}
@@ -191,16 +199,29 @@ def threading_kill_later(proc, after_s):
     threading.Timer(after_s, lambda: proc.is_alive() and proc.kill()).start()
 
 
+def plans(P, steps, rng):
+    """The four faults of a matrix cell, at steps drawn by ``rng``: each leaves room for the replacement to
+    join before the end (a SIGSTOPped worker is found a heartbeat timeout later)."""
+    late = steps - max(30, steps // 3)  # an asynchronous run's survivors keep stepping while a worker joins
+    first = rng.randint(3, late // 2)
+    return (("kill -9, 1 worker", {rng.randint(3, late): [(rng.randrange(P), "SIGKILL")]}),
+            ("kill -9, 2 workers", {rng.randint(3, late): [(2, "SIGKILL"), (0, "SIGKILL")]}),  # rank 0 among them
+            ("kill -9, 1 then 1", {first: [(P - 1, "SIGKILL")], rng.randint(first + 10, late): [(0, "SIGKILL")]}),
+            # early: an asynchronous run goes on stepping for the heartbeat timeout before it is found
+            ("SIGSTOP, 1 worker", {rng.randint(3, 15): [(rng.randrange(P), "SIGSTOP")]}))
+
+
 def matrix(args):
+    import random
+
     rows, hangs = [], 0
+    print(f"fault steps drawn with seed {args.seed}", flush=True)
     for P in (4, 5):
         for algo in args.only or ALGORITHMS:
-            for fault, plan in (("kill -9, 1 worker", {8: [(1, "SIGKILL")]}),
-                                ("kill -9, 2 workers", {6: [(2, "SIGKILL"), (0, "SIGKILL")]}),
-                                ("kill -9, 1 then 1", {5: [(P - 1, "SIGKILL")], 20: [(0, "SIGKILL")]}),
-                                ("SIGSTOP, 1 worker", {8: [(2, "SIGSTOP")]})):
+            steps = max(args.steps, STEPS_OF.get(algo, 0))
+            for fault, plan in plans(P, steps, random.Random(f"{args.seed}/{P}/{algo}")):
                 t0 = time.monotonic()
-                logs, hung, store, bad_exits = run(P, algo, plan, steps=max(args.steps, STEPS_OF.get(algo, 0)))
+                logs, hung, store, bad_exits = run(P, algo, plan, steps=steps)
                 hangs += len(hung)
                 finished = [lg for lg in logs.values() if len(lg["steps_done"]) and lg["world"] == P]
                 digests = {lg["digest"] for lg in finished}
@@ -221,7 +242,8 @@ def matrix(args):
                 lost = max((len(lg["discarded"]) for lg in logs.values()), default=0)
                 ok = not hung and not bad_exits and len(finished) == P and (len(digests) == 1 or algo in DIFFERING)
                 rows.append((P, algo, fault, ok, len(hung), lost, resumed, joins, time.monotonic() - t0))
-                print(f"P={P} {algo:24s} {fault:20s} {'ok' if ok else 'FAILED'}: hung {len(hung)}, "
+                at = "; ".join(f"step {k}: {', '.join(f'rank {r}' for r, _ in v)}" for k, v in sorted(plan.items()))
+                print(f"P={P} {algo:24s} {fault:20s} ({at}) {'ok' if ok else 'FAILED'}: hung {len(hung)}, "
                       f"{'exit codes ' + repr(bad_exits) + ', ' if bad_exits else ''}members at the "
                       f"end {len(finished)} of {P} with {len(digests)} distinct weights, MembershipChanged per "
                       f"survivor {lost}, fault -> survivors' next step {', '.join(f'{r:.2f}' for r in resumed)} s, "
@@ -342,6 +364,7 @@ def main(argv=None):
     ap.add_argument("--every", type=int, default=30)
     ap.add_argument("--algorithm", default="gradient_allreduce", choices=sorted(ALGORITHMS))
     ap.add_argument("--only", nargs="+", choices=sorted(ALGORITHMS), help="matrix: these algorithms only")
+    ap.add_argument("--seed", type=int, default=0, help="matrix: the seed the fault steps and ranks are drawn with")
     ap.add_argument("--kill-at", type=int, default=25)
     ap.add_argument("--ckpt-every", type=int, default=10)
     args = ap.parse_args(argv)
