@@ -63,8 +63,9 @@ class Selection:
                           if use_block_max and not self.layerwise and b.dtype == torch.float32
                           and b.flat.device.type == "cpu" else None for b in buckets]
         self.filled = [0] * len(buckets)
-        self._values = torch.empty(kmax, dtype=buckets[0].dtype)
-        self._indices = torch.empty(kmax, dtype=torch.int32)
+        device = buckets[0].flat.device  # the selection runs where the gradients are
+        self._values = torch.empty(kmax, dtype=buckets[0].dtype, device=device)
+        self._indices = torch.empty(kmax, dtype=torch.int32, device=device)
 
     def select(self, acc, bucket, density):
         """(values, indices into the bucket) of the top k of ``acc`` at ``density``, largest magnitudes."""

@@ -538,3 +538,16 @@ def test_block_max_writer_arguments_named():
         _C.momentum_add_checked(torch.empty(130), torch.empty(130), x, y, y, 0.9, None, 0.0, torch.zeros(3), 0)
     with pytest.raises(RuntimeError, match="block_offset must be >= 0, got -1"):
         bagua_lite.kernels.block_max_combine_(torch.zeros(3, dtype=torch.int32), x, -1)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "minmax_uint8", "sign"])
+def test_codec_refuses_a_wire_on_another_device(compression):
+    """The CPU loops read raw pointers: a wire buffer on another device (a CUDA one, here the meta device
+    standing in) must be refused with the op and both devices named, never dereferenced."""
+    from bagua_lite import _C
+    x = torch.randn(37)
+    wire = torch.empty(_C.wire_bytes(compression, 37), dtype=torch.uint8, device="meta")
+    with pytest.raises(ValueError, match=rf"{compression}.*wire buffer is on meta but the values are on cpu"):
+        _C.compress_into(x, compression, wire)
+    with pytest.raises(ValueError, match=rf"{compression}.*wire buffer is on meta but the values are on cpu"):
+        _C.decompress_into(wire, compression, x, False)

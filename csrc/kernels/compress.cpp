@@ -20,8 +20,11 @@ namespace bagua_lite {
 namespace kernels {
 namespace {
 
-void check_wire(const at::Tensor& wire, int64_t need, const char* fn) {
+void check_wire(const at::Tensor& wire, int64_t need, const char* fn, const at::Tensor& data) {
   BL_CHECK(wire.scalar_type() == at::kByte, fn, ": wire buffer must be uint8, got ", wire.scalar_type());
+  // One device for both: the CPU loops read raw pointers, and a pointer into device memory would crash.
+  BL_CHECK(wire.device() == data.device(), fn, ": the wire buffer is on ", wire.device(), " but the values are on ",
+           data.device(), "; both must be on the same device");
   BL_CHECK(wire.is_contiguous(), fn, ": wire buffer must be contiguous");
   BL_CHECK(wire.numel() == need, fn, ": wire buffer has ", wire.numel(), " bytes, expected ", need);
 }
@@ -136,12 +139,12 @@ class HalfCompressor final : public Compressor {
   const char* name() const override { return name_; }
   int64_t wire_bytes(int64_t n) const override { return 2 * n; }
   void compress(const at::Tensor& x, at::Tensor& out) const override {
-    check_wire(out, wire_bytes(x.numel()), name_);
+    check_wire(out, wire_bytes(x.numel()), name_, x);
     if (x.numel() == 0) return;
     out.view(kWire).copy_(x.reshape(-1));
   }
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
-    check_wire(in, wire_bytes(out.numel()), name_);
+    check_wire(in, wire_bytes(out.numel()), name_, out);
     if (out.numel() == 0) return;
     if (out.device().is_cpu() && out.scalar_type() == at::kFloat) {
       // ATen's mixed-dtype add (float32 += half) runs about 8x slower than this conversion loop
@@ -172,7 +175,7 @@ class SignCompressor final : public Compressor {
 
   void compress(const at::Tensor& x, at::Tensor& out) const override {
     const int64_t n = x.numel();
-    check_wire(out, wire_bytes(n), "sign compress");
+    check_wire(out, wire_bytes(n), "sign compress", x);
     float scale = 0.f;
     if (n > 0) {
       auto xf = x.reshape(-1);
@@ -208,15 +211,20 @@ class SignCompressor final : public Compressor {
         });
       }
     }
-    std::memcpy(out.data_ptr<uint8_t>(), &scale, kHeader);
+    if (out.device().is_cpu()) {
+      std::memcpy(out.data_ptr<uint8_t>(), &scale, kHeader);
+    } else {  // a device buffer: no host pointer into it
+      out.narrow(0, 0, kHeader).copy_(at::from_blob(&scale, {kHeader}, at::TensorOptions().dtype(at::kByte)));
+    }
   }
 
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
     const int64_t n = out.numel();
-    check_wire(in, wire_bytes(n), "sign decompress");
+    check_wire(in, wire_bytes(n), "sign decompress", out);
     if (n == 0) return;
     float scale;
-    std::memcpy(&scale, in.const_data_ptr<uint8_t>(), kHeader);
+    auto header = in.device().is_cpu() ? in.narrow(0, 0, kHeader) : in.narrow(0, 0, kHeader).cpu();
+    std::memcpy(&scale, header.const_data_ptr<uint8_t>(), kHeader);
     auto bits = in.narrow(0, kHeader, (n + 7) / 8);
     if (!out.device().is_cpu()) {
       auto shifts = at::arange(8, bits.options().dtype(at::kInt));
@@ -287,7 +295,7 @@ class MinMaxUInt8Compressor final : public Compressor {
 
   void compress(const at::Tensor& x, at::Tensor& out) const override {
     const int64_t n = x.numel();
-    check_wire(out, wire_bytes(n), "minmax_uint8 compress");
+    check_wire(out, wire_bytes(n), "minmax_uint8 compress", x);
     if (!x.device().is_cpu()) return compress_aten(x, out);
     float header[2] = {0.f, 0.f};
     uint8_t* q = out.data_ptr<uint8_t>() + kHeader;
@@ -327,7 +335,7 @@ class MinMaxUInt8Compressor final : public Compressor {
 
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
     const int64_t n = out.numel();
-    check_wire(in, wire_bytes(n), "minmax_uint8 decompress");
+    check_wire(in, wire_bytes(n), "minmax_uint8 decompress", out);
     if (!out.device().is_cpu()) return decompress_aten(in, out, accumulate);
     float header[2];
     std::memcpy(header, in.const_data_ptr<uint8_t>(), kHeader);
@@ -396,8 +404,8 @@ bool gossip_fold(const std::string& compression, const at::Tensor& own, const st
     if (!t->device().is_cpu() || t->scalar_type() != at::kFloat || !t->is_contiguous() || t->numel() != n) return false;
   }
   const int64_t need = MinMaxUInt8Compressor::kHeader + n;
-  check_wire(own, need, "gossip_fold (own)");
-  for (const auto& w : received) check_wire(w, need, "gossip_fold (received)");
+  check_wire(own, need, "gossip_fold (own)", x_hat);
+  for (const auto& w : received) check_wire(w, need, "gossip_fold (received)", x_hat);
   auto grid_of = [](const at::Tensor& w) {
     float h[2];
     std::memcpy(h, w.const_data_ptr<uint8_t>(), sizeof h);
