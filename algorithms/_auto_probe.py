@@ -43,7 +43,8 @@ def network_and_machine(model, network_option, machine_option):
         network, source = cost_model.Network(**network_option), "given"
     else:
         # The same network measured earlier in this process (e.g. by the benchmark) is not probed again.
-        network, source = cost_model.probe_network(model.process_group, reuse=True), "probed"
+        network, source = cost_model.probe_network(model.process_group, reuse=True,
+                                                           device=model.params[0].device), "probed"
     if machine_option is not None:
         machine = cost_model.Machine(**machine_option)
     else:

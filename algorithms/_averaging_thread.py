@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from bagua_lite import _control
 from bagua_lite._worker import Worker
 
 
@@ -98,7 +99,7 @@ class AveragingThread:
                 return
             flag[0] = 0 if stopping.is_set() else 1
             flag[1] = -self.joiners() if self.joiners is not None else 0
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=_control.of(self.group))
             if int(flag[0]) == 0:
                 return
             if int(flag[1]) < 0:  # the same round on every rank: each admits at its next step boundary

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from bagua_lite import agreement
+from bagua_lite import _control, agreement
 from bagua_lite._options import int_at_least, within
 from bagua_lite._worker import Worker
 from bagua_lite.algorithm import Algorithm
@@ -49,9 +49,9 @@ class Gossip(Algorithm):
         self._step_out = torch.zeros(2, dtype=torch.int64)
         self._step_in = [torch.zeros(2, dtype=torch.int64) for _ in range(2)]
 
-    def _post(self, t, recv, tag, counted=True):
+    def _post(self, t, recv, tag, counted=True, control=False):
         """Send t to this exchange's peers and receive theirs into recv (see ``Peers.post``)."""
-        return self.peers.post(t, recv, tag, self.exchanges, counted)
+        return self.peers.post(t, recv, tag, self.exchanges, counted, control)
 
     def _receive_buffers(self):
         """What this rank receives into (made in ``init`` and again when the ring re-forms)."""
@@ -105,9 +105,9 @@ class Gossip(Algorithm):
         agreement.encode(self.step, self._step_out)
         if self.peer_selection == "all":  # one MAX allreduce: the range of every rank's step
             self._step_in[0].copy_(self._step_out)
-            self._step_works = [agreement.post_max(self._step_in[0], self.peers.group, async_op=True)]
+            self._step_works = [agreement.post_max(self._step_in[0], _control.of(self.peers.group), async_op=True)]
         else:  # 16 bytes per peer, not counted as traffic
-            self._step_works = self._post(self._step_out, self._step_in, STEP_TAG, counted=False)
+            self._step_works = self._post(self._step_out, self._step_in, STEP_TAG, counted=False, control=True)
         self._works = self._start()
 
     def after_step(self):

@@ -4,7 +4,7 @@ view of one exchange (``degree``, ``traffic``). Used by ``_gossip.Gossip``.
 Peers: ``ring`` (both neighbours), ``ring_one_way`` (send to the right, receive from the left), ``shift_one``
 (one partner that rotates each exchange; odd P: one rank sits out), ``all`` (everyone, by collectives).
 """
-from bagua_lite import _C, cost_model as cm
+from bagua_lite import _C, _control, cost_model as cm
 from bagua_lite._groups import new_group_like
 
 PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
@@ -58,13 +58,15 @@ class Peers:
             return ([partner], [partner]) if partner >= 0 else ([], [])
         return self.fixed
 
-    def post(self, t, recv, tag, exchange, counted=True):
-        """Send t to the exchange's peers and receive theirs into recv (one direction per group): the works."""
+    def post(self, t, recv, tag, exchange, counted=True, control=False):
+        """Send t to the exchange's peers and receive theirs into recv (one direction per group): the works.
+        ``control``: t is a control message (host-side step pair), sent over the groups' control groups."""
         me, (to, frm), works = self.rank, self.of(exchange), []
+        up, down = (_control.of(self.group), _control.of(self.down)) if control else (self.group, self.down)
         for peer in to:
-            works.append((self.group if me < peer else self.down).send([t], peer, tag))
+            works.append((up if me < peer else down).send([t], peer, tag))
             if counted:
                 _C.count_sent(t.nbytes, 1)
         for buf, peer in zip(recv, frm):
-            works.append((self.group if peer < me else self.down).recv([buf], peer, tag))
+            works.append((up if peer < me else down).recv([buf], peer, tag))
         return works

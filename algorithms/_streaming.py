@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from bagua_lite import agreement
+from bagua_lite import _control, agreement
 from bagua_lite._groups import new_group_like
 from bagua_lite._worker import Worker
 
@@ -79,7 +79,7 @@ class Background:
 
     def _run(self, job):
         try:
-            agreement.post_max(agreement.encode(job.step, self._steps), self.group)
+            agreement.post_max(agreement.encode(job.step, self._steps), _control.of(self.group))
             job.steps = agreement.span([self._steps])
             if job.steps[0] == job.steps[1]:  # every rank alike: all skip the data, or none
                 job.fn(self.group)

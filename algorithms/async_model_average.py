@@ -31,7 +31,7 @@ optimizer state, and the members and joiners average their weights once, as afte
 """
 import torch.distributed as dist
 
-from bagua_lite import cost_model as cm
+from bagua_lite import _control, cost_model as cm
 from bagua_lite._groups import group_timeout
 from bagua_lite._options import int_at_least
 from bagua_lite.algorithm import Algorithm, register
@@ -87,6 +87,7 @@ class AsyncModelAverage(Algorithm):
         ranks = dist.get_process_group_ranks(model.process_group)
         # collective: every rank creates it; the background thread's traffic never meets the model's group
         self.group = dist.new_group(ranks, backend="gloo", timeout=group_timeout(model.process_group))
+        _control.setup(self.group, ranks)  # a no-op unless BAGUA_LITE_CONTROL_GROUP=side
         self._stop_wait_s = group_timeout(self.group).total_seconds() + self.sync_interval_ms / 1000 + 10
         # .data: average the storage without bumping autograd's version counters (see the docstring)
         self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")

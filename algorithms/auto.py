@@ -86,7 +86,7 @@ class Auto(Algorithm):
         if elastic is not None and elastic.membership.generation > 0:  # a joiner: rank 0's pick, not a probe
             import torch.distributed as dist
             box = [None]
-            dist.broadcast_object_list(box, group_src=0, group=model.process_group)  # DistributedModel._admit
+            dist.broadcast_object_list(box, group_src=0, group=model.control_group)  # DistributedModel._admit
             self.load_state_dict(box[0])  # hands the model the pick, set up as the members' regroup() did
             return
         self.probe = Probe(model)

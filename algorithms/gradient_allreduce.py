@@ -74,7 +74,7 @@ class GradientAllReduce(Algorithm):
             me = model._elastic.membership.me
             keys = [None] * len(world)
             dist.all_gather_object(keys, me // self.ranks_per_node if self.ranks_per_node else socket.gethostname(),
-                                   group=model.process_group)
+                                   group=model.control_group)
             order = list(dict.fromkeys(keys))
             nodes = [[r for r, k in zip(world, keys) if k == key] for key in order]
         self.nodes = nodes

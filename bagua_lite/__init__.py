@@ -1,7 +1,11 @@
 """bagua_lite: communication relaxations for data-parallel PyTorch training on slow networks."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from . import comm, compressors, hooks, kernels, runtime  # noqa: F401
+from ._compat import check_supported
+
+check_supported()  # a clear error on a torch older than 2.11, before the extension fails to load
+
+from . import comm, compressors, hooks, kernels, runtime  # noqa: F401,E402
 from .algorithm import Algorithm, register  # noqa: F401
 from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from .compressors import Compressor, register_compressor  # noqa: F401

@@ -2,6 +2,9 @@
 import torch
 import torch.distributed as dist
 
+from bagua_lite import _control
+from bagua_lite._compat import group_timeout  # noqa: F401  (re-exported: callers import it from here)
+
 
 def resolve_group(group, fn):
     """Return the ``ProcessGroup`` to use for ``fn``, or raise a clear error before any traffic."""
@@ -29,14 +32,6 @@ def check_device(t, group, fn, name="t"):
                          "which needs CUDA tensors")
 
 
-def group_timeout(group):
-    """The timeout ``group``'s collectives run with (torch's default when the backend does not say)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout
-    except Exception:  # noqa: BLE001  (a backend without options: torch's default)
-        return dist.default_pg_timeout
-
-
 def new_group_like(group, ranks=None):
     """A new process group over ``ranks`` (default: ``group``'s) with ``group``'s timeout.
 
@@ -44,4 +39,6 @@ def new_group_like(group, ranks=None):
     ``init_process_group``: a dead peer would then hang an algorithm's own traffic for half an hour.
     Collective: every rank of the default group calls it, in the same order."""
     ranks = dist.get_process_group_ranks(group) if ranks is None else ranks
-    return dist.new_group(ranks, timeout=group_timeout(group))
+    new = dist.new_group(ranks, timeout=group_timeout(group))
+    _control.setup(new, ranks, group_timeout(group))  # its control traffic's group, made with it
+    return new

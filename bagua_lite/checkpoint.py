@@ -47,7 +47,7 @@ def _all_ok(model, error):
     """Every rank learns whether any rank failed; returns the failed ranks (an empty list: none)."""
     flags = torch.zeros(model.world_size, dtype=torch.int64)
     flags[model.rank] = int(error is not None)
-    dist.all_reduce(flags, group=model.process_group)
+    dist.all_reduce(flags, group=model.control_group)
     return [r for r in range(model.world_size) if flags[r]]
 
 

@@ -302,7 +302,8 @@ HOST_LOCAL_MIN_BPS = 5e9
 _PROBED: Dict[tuple, "Network"] = {}  # what probe_network measured in this process, per group
 
 
-def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6, reuse=False) -> Network:
+def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6, reuse=False,
+                  device=None) -> Network:
     """Measure alpha and beta by ping-pong, every pair of ranks at once (collective: call on all ranks).
 
     Ranks pair up (0-1, 2-3, ...; with odd P the last rank idles), so the links, and on one host the
@@ -315,9 +316,13 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6, r
     1 Gbit/s link between namespaces of one host is waiting, not CPU work). One rank: ``Network(0, 0)``.
     ``reuse=True`` returns what an earlier call in this process measured for the same ranks, sizes and
     repeats, if any (every rank must pass the same ``reuse``; a 1 Gbit/s probe moves about 250 MB).
+    ``device``: where the ping-pong buffers live (default: the CPU where ``group`` carries CPU tensors, else
+    the current CUDA device), so the probe times the transport the data will take.
     """
     import torch
     import torch.distributed as dist
+
+    from bagua_lite import _compat, _control  # like torch above: the formulas import without torch
 
     if group is None:
         group = dist.group.WORLD
@@ -330,9 +335,13 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6, r
     import socket
     import zlib
 
+    control = _control.setup(group)  # collective, like this probe; made once per group
+    if device is None or torch.device(device).type != "cpu" and _compat.backend_for(group, "cuda") in (None, "gloo"):
+        # gloo moves CUDA tensors through the host, and its send/recv takes none: time the host path
+        device = "cpu" if _compat.takes_cpu_tensors(group) else torch.device("cuda", torch.cuda.current_device())
     host = torch.tensor([zlib.crc32(socket.gethostname().encode())], dtype=torch.int64)
     hosts = [torch.zeros_like(host) for _ in range(P)]
-    dist.all_gather(hosts, host, group=group)
+    dist.all_gather(hosts, host, group=control)
     host_local = len({int(h) for h in hosts}) == 1
     fit = torch.zeros(2, dtype=torch.float64)
     partner = me + 1 if me % 2 == 0 else me - 1
@@ -341,13 +350,15 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6, r
         peer = dist.get_global_rank(group, partner)
         points = []
         for size in sizes:
-            buf = torch.zeros(int(size), dtype=torch.uint8)
+            buf = torch.zeros(int(size), dtype=torch.uint8, device=device)
             times = []
             for i in range(repeats + 1):
                 t0 = time.perf_counter()
                 if first:
                     dist.send(buf, peer, group=group)
                     dist.recv(buf, peer, group=group)
+                    if buf.is_cuda:
+                        torch.cuda.synchronize(buf.device)  # a round trip done, not merely queued
                 else:
                     dist.recv(buf, peer, group=group)
                     dist.send(buf, peer, group=group)
@@ -356,7 +367,7 @@ def probe_network(group=None, sizes=(8, 1 << 16, 1 << 22, 1 << 24), repeats=6, r
             points.append((float(size), statistics.median(times)))
         if first:
             fit[0], fit[1] = _fit_alpha_beta(points)
-    dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(fit, op=dist.ReduceOp.MAX, group=control)
     host_local = host_local and float(fit[1]) < 8.0 / HOST_LOCAL_MIN_BPS
     _PROBED[key] = Network(alpha=float(fit[0]), beta=float(fit[1]), host_local=host_local)
     return _PROBED[key]

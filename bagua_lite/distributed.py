@@ -34,7 +34,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _C, agreement, comm, launch, runtime
+from . import _C, _compat, _control, agreement, comm, launch, runtime
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
 from . import elastic
@@ -246,6 +246,12 @@ class DistributedModel(DistributedDataParallel):
         self.world_size = self.process_group.size()
         if not isinstance(fault_tolerant, bool):
             raise TypeError(f"DistributedModel: fault_tolerant must be True or False, got {fault_tolerant!r}")
+        if fault_tolerant and _control.needs_side_group(self.process_group):
+            raise ValueError(f"DistributedModel: fault_tolerant=True needs a process group that carries CPU tensors "
+                             f"(gloo, or \"cpu:gloo,cuda:nccl\"); this one's backend is "
+                             f"{dist.get_backend(self.process_group)!r}. On GPUs, init_process_group("
+                             f"\"cpu:gloo,cuda:nccl\") (BAGUA_LITE_CONTROL_GROUP must not be 'side')")
+        _control.setup(self.process_group)  # the group this model's control traffic takes (control_group)
         if fault_tolerant:
             _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size,
                                   heartbeat_timeout_s)
@@ -319,7 +325,7 @@ class DistributedModel(DistributedDataParallel):
             self._share_weights(0, keep_own=self.algorithm.replicas_differ)
             if self.configured_algorithm is not self.algorithm:  # auto's pick: a joiner's auto takes it in init
                 box = [self.configured_algorithm.state_dict() if self.rank == 0 else None]
-                dist.broadcast_object_list(box, group_src=0, group=self.process_group)
+                dist.broadcast_object_list(box, group_src=0, group=self.control_group)
             self.algorithm.regroup()
             for b in self.buckets:
                 b.ops = list(self.algorithm.bucket_ops(b))
@@ -505,6 +511,12 @@ class DistributedModel(DistributedDataParallel):
         else:
             self.algorithm.load_state_dict(state)
 
+    @property
+    def control_group(self):
+        """The group that carries this model's control traffic: the model's group, or the gloo group made
+        beside an NCCL one (``bagua_lite._control``)."""
+        return _control.of(self.process_group)
+
     # ---- set-up checks ---------------------------------------------------------------------------------
     def _check_same_config(self):
         """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
@@ -515,7 +527,7 @@ class DistributedModel(DistributedDataParallel):
         configured = getattr(self, "configured_algorithm", self.algorithm)  # auto, also once it picked
         mine = torch.tensor([_config_digest(configured, self.bucket_size_mb), _digest(layout)], dtype=torch.int64)
         everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.process_group)
+        dist.all_gather(everyone, mine, group=self.control_group)
         differ = [r for r, d in enumerate(everyone) if int(d[0]) != int(everyone[0][0])]
         if differ:
             raise ValueError(f"DistributedModel: ranks were started with different configurations: rank(s) "
@@ -524,7 +536,7 @@ class DistributedModel(DistributedDataParallel):
         differ = [r for r, d in enumerate(everyone) if int(d[1]) != int(everyone[0][1])]
         if differ:
             layouts = [None] * self.world_size
-            dist.all_gather_object(layouts, layout, group=self.process_group)
+            dist.all_gather_object(layouts, layout, group=self.control_group)
             r, ref, other = differ[0], layouts[0], layouts[differ[0]]
             i = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
             what = lambda entry: ("no parameter" if entry is None else  # noqa: E731
@@ -575,16 +587,16 @@ class DistributedModel(DistributedDataParallel):
             return [list(values)]
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
-        pg = self.process_group if group is None else group
+        pg = _control.of(self.process_group if group is None else group)
         if self._elastic is not None and not on_engine:  # so that a peer's failure is seen, not waited for
             try:
-                self.run_collective("step agreement", lambda: dist.all_gather_single(out, mine, group=pg))
+                self.run_collective("step agreement", lambda: _compat.all_gather_single(out, mine, group=pg))
             except (PeerFailedError, RuntimeError) as e:
                 self._elastic.comm_error = e
                 raise
             return out.view(self.world_size, len(values)).tolist()
         try:  # blocking: a peer that failed in this round's buckets never gets here (they fail fast)
-            dist.all_gather_single(out, mine, group=pg)
+            _compat.all_gather_single(out, mine, group=pg)
         except RuntimeError as e:
             self._failfast.announce(f"a step-control all_gather failed: {e}")
             raise

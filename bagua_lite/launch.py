@@ -1,7 +1,7 @@
 """``bagua_lite.init_process_group``: the default process group from the launcher's environment, set up so
 that a torchrun restart always reconnects (BAGUA had one too).
 
-    bagua_lite.init_process_group()          # gloo on CPU, nccl (and this process's GPU) on CUDA
+    bagua_lite.init_process_group()          # gloo on CPU; on CUDA "cpu:gloo,cuda:nccl" and this process's GPU
     model = bagua_lite.DistributedModel(net, optimizer, algorithm="gtopk")
 
 Why not plain ``dist.init_process_group()``: under ``torchrun --max-restarts N`` the rendezvous store is the
@@ -20,6 +20,9 @@ from torch.distributed.rendezvous import rendezvous
 from .ranks import get_local_rank
 
 _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: what a GPU job gets by default: NCCL for CUDA tensors, gloo for CPU ones (the control traffic)
+GPU_BACKEND = "cpu:gloo,cuda:nccl"
+BACKENDS = ("gloo", "nccl", GPU_BACKEND)
 #: the store init_process_group gave the default group (fault tolerance keeps its membership there: the
 #: default group's own store is prefixed by its name, which a joiner cannot know)
 _STORE = {}
@@ -30,9 +33,11 @@ _JOIN = {}
 
 def init_process_group(backend: Optional[str] = None, timeout: Optional[timedelta] = None) -> None:
     """Join the default process group described by the environment torchrun sets (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``; any launcher that sets them works). ``backend``: ``"gloo"`` or
-    ``"nccl"`` (default: nccl where CUDA is available, else gloo; with nccl this process's GPU becomes
-    ``LOCAL_RANK``'s). ``timeout``: the group's (default: torch's)."""
+    ``MASTER_ADDR``, ``MASTER_PORT``; any launcher that sets them works). ``backend``: one of
+    :data:`BACKENDS` (default: ``"cpu:gloo,cuda:nccl"`` where CUDA is available, else gloo). With NCCL this
+    process's GPU becomes ``LOCAL_RANK``'s; NCCL's group carries the data, and gloo's the host-side control
+    traffic (plain ``"nccl"`` gets a gloo group for it made beside, see ``bagua_lite._control``, and refuses
+    ``fault_tolerant=True``). ``timeout``: the group's (default: torch's)."""
     if dist.is_initialized():
         raise RuntimeError("bagua_lite.init_process_group: the default process group already exists; call it "
                            "once per process, instead of torch.distributed.init_process_group")
@@ -42,10 +47,11 @@ def init_process_group(backend: Optional[str] = None, timeout: Optional[timedelt
                            f"(start the processes with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR and "
                            f"MASTER_PORT in each)")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"bagua_lite.init_process_group: backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl":
+        backend = GPU_BACKEND if torch.cuda.is_available() else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"bagua_lite.init_process_group: backend must be one of "
+                         f"{', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    if "nccl" in backend:
         torch.cuda.set_device(get_local_rank())
     kwargs = {} if timeout is None else {"timeout": timeout}
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

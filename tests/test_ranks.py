@@ -70,7 +70,7 @@ def test_init_process_group_refuses_before_any_traffic(monkeypatch):
         bagua_lite.init_process_group()
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(name, value)
-    with pytest.raises(ValueError, match="backend must be 'gloo' or 'nccl', got 'mpi'"):
+    with pytest.raises(ValueError, match="backend must be one of 'gloo', 'nccl', 'cpu:gloo,cuda:nccl', got 'mpi'"):
         bagua_lite.init_process_group("mpi")
 
 

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "compat.h"
 
 namespace bagua_lite {
 namespace collectives {

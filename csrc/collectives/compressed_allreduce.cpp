@@ -57,7 +57,7 @@ void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::s
   // 2. All-to-all of compressed chunks.
   const int64_t piece = recv_splits[0];
   auto recv = scratch_bytes(Slot::kRecv, piece * P, t.device());
-  wait(pg->all_to_all_single(recv, send, recv_splits, send_splits));
+  wait(compat::all_to_all_single(*pg, recv, send, recv_splits, send_splits));
   count_sent(send_total - send_splits[me], P - 1);
 
   // 3. Reduce our chunk from the decompressed pieces (rank order, so deterministic).

@@ -28,7 +28,7 @@ void pg_allgather(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in) {
     out.copy_(in);
     return;
   }
-  wait(pg->all_gather_single(out, in));
+  wait(compat::all_gather_single(*pg, out, in));
   count_sent((P - 1) * static_cast<int64_t>(in.nbytes()), P - 1);
 }
 
