@@ -104,7 +104,8 @@ class MomentumCorrection:
             corrected = [b for b in self.model.buckets if any(gi is not None for gi in self.group[b.index])]
             refuse_changed(self.who, corrected, "With momentum correction (the default with SGD momentum) .grad "
                            "holds the momentum-corrected sparse update", "set momentum_correction: 0 (then .grad is "
-                           "the sparse average of gradient plus residual and clipping clips that) or drop the change")
+                           "the sparse average of gradient plus residual and clipping clips that) or drop the change",
+                           self.model.grad_scaler)
         groups = [opt.param_groups[i] for i in self.suspended]
         self._saved = [(g["momentum"], g["weight_decay"]) for g in groups]
         for g in groups:

@@ -36,6 +36,8 @@ from bagua_lite.algorithm import Algorithm, register
 from . import _powersgd_plan
 
 _Q_SEED = 0  # the initial Q's, drawn once in init: identical on every rank
+# QR has no bf16/fp16 kernels (and would lose the orthogonality there): those P's are orthogonalized in fp32
+_QR_DTYPES = (torch.float32, torch.float64)
 
 
 @register("powersgd")
@@ -115,7 +117,7 @@ class PowerSGD(Algorithm):
         if mats:
             comm.allreduce(self.p_bufs[b], "sum", group=group)
         for g, m, p, q in mats:
-            p.copy_(torch.linalg.qr(p).Q)                  # P^ <- ORTHOGONALIZE(P)
+            p.copy_(torch.linalg.qr(p if p.dtype in _QR_DTYPES else p.float()).Q)  # P^ <- ORTHOGONALIZE(P)
             torch.mm(m.t(), p, out=q)                      # Q <- M^T P^
             m.addmm_(p, q.t(), alpha=-1)                   # e <- M - P^ Q^T
         for slot, buf in self.dense[b]:

@@ -111,5 +111,5 @@ class QAdam(Algorithm):
             raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
                                "first (its momentum is what the ranks exchange)")
         refuse_changed(self.name, self.model.buckets, "After the warm-up .grad holds the ranks' averaged Adam "
-                       "momentum", "leave .grad as backward left it")
+                       "momentum", "leave .grad as backward left it", self.model.grad_scaler)
         self.adam.step(freeze=self.step == self.warmup_steps)

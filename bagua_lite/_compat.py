@@ -32,6 +32,15 @@ else:
     all_gather_single = dist.all_gather_into_tensor
 
 
+def scaler_scales(scaler):
+    """(scale, 1 / scale) of a ``torch.amp.GradScaler`` as its ``unscale_`` computes them (device tensors,
+    no host synchronisation), or None before the scaler's first ``scale()`` or when it is disabled."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
+    if scale is None:
+        return None
+    return scale, scale.double().reciprocal().float()
+
+
 def backend_for(group, device_type: str):
     """The name of the backend ``group`` uses for tensors on ``device_type`` ("cpu", "cuda"), or None."""
     try:

@@ -3,6 +3,8 @@ from typing import List
 
 import torch
 
+from bagua_lite import _compat
+
 
 _SEAL_SAMPLE = 64  # entries Bucket.seal keeps: a uniform rescale changes every nonzero one
 
@@ -48,13 +50,16 @@ class Bucket:
         sample = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE].clone()
         self._sealed = (self.flat._version, sample, idx)
 
-    def changed(self) -> bool:
-        """Whether the flat buffer was changed in place since :meth:`seal` (False if never sealed)."""
+    def changed(self, inv_scale=None) -> bool:
+        """Whether the flat buffer was changed in place since :meth:`seal` (False if never sealed).
+        ``inv_scale``: the model's loss scaler's 1 / scale; its ``unscale_`` (exactly that rescale) is no change."""
         if self._sealed is None:
             return False
         version, sample, idx = self._sealed
         now = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE]
-        return self.flat._version != version or not torch.equal(now, sample)
+        if self.flat._version != version:
+            return True
+        return not torch.equal(now, sample) and (inv_scale is None or not torch.equal(now, sample * inv_scale))
 
     def nbytes(self) -> int:
         return self.numel * self.flat.element_size()
@@ -63,15 +68,19 @@ class Bucket:
         return f"Bucket({self.index}, params={len(self.params)}, numel={self.numel}, dtype={self.dtype})"
 
 
-def refuse_changed(who: str, buckets, holds: str, instead: str) -> None:
+def refuse_changed(who: str, buckets, holds: str, instead: str, scaler=None) -> None:
     """Raise if any of ``buckets`` was changed in place since it was sealed, for an algorithm whose ``.grad``
-    ``holds`` more than a gradient: clipping it, or a loss scaler's ``unscale_``, would not do what it does
-    under DDP, and would train differently without a word. Every rank runs the same check, so every rank
-    refuses; ``instead``: what the user can do."""
-    if any(b.changed() for b in buckets):
+    ``holds`` more than a gradient: clipping it, or the ``unscale_`` of a loss scaler the model does not
+    know, would not do what it does under DDP, and would train differently without a word. The ``unscale_``
+    of the model's own ``scaler`` is expected (the model handed ``.grad`` over at the scaler's scale). Every
+    rank runs the same check, so every rank refuses; ``instead``: what the user can do."""
+    scales = _compat.scaler_scales(scaler)
+    if any(b.changed(None if scales is None else scales[1]) for b in buckets):
+        scaler_hint = "; with a GradScaler, pass it: DistributedModel(..., grad_scaler=scaler)" if scaler is None \
+            else " (the unscale_ of the model's grad_scaler is no change)"
         raise RuntimeError(f"{who}: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."
                            f"clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own edit). {holds}, not "
-                           f"a gradient, so the change would not be what it is under DDP; {instead}")
+                           f"a gradient, so the change would not be what it is under DDP; {instead}{scaler_hint}")
 
 
 def plan_buckets(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[List[torch.nn.Parameter]]:

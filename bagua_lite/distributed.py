@@ -135,6 +135,14 @@ class DistributedModel(DistributedDataParallel):
     the differing rank). ``broadcast_buffers`` (default True, as DDP): rank 0's buffers are broadcast
     before every forward with gradients enabled (not for asynchronous algorithms).
 
+    ``grad_scaler``: the ``torch.amp.GradScaler`` of a mixed-precision loop (``scaler.scale(loss).backward()``,
+    ``scaler.unscale_(opt)``, ``scaler.step(opt)``), or None. Given, every bucket is unscaled before the
+    algorithm's ops and handed back to ``.grad`` at the scaler's scale after them, so residuals, momenta and
+    selections are at one scale whatever the scaler does, and ``unscale_`` of a ``.grad`` that holds more than
+    a gradient (topk/gtopk's momentum correction, qadam) is expected. With a power-of-two scale (the
+    scaler's default) an algorithm trains bit for bit as it does without a scaler, and an overflow step is
+    skipped on every rank. Settable later (``model.grad_scaler = scaler``), between steps.
+
     ``fault_tolerant`` (default False; see :mod:`bagua_lite.elastic`): when a peer dies, the survivors
     discard the step in flight, agree on the new membership through the rendezvous store, go on on a new
     process group among themselves, and ``optimizer.step()`` of that step raises
@@ -198,8 +206,10 @@ class DistributedModel(DistributedDataParallel):
                  algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
                  group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True,
                  fault_tolerant: bool = False, min_workers: int = 1, on_membership_change=None,
-                 rejoin_window_s: float = 2.0, heartbeat_timeout_s: float = 10.0):
+                 rejoin_window_s: float = 2.0, heartbeat_timeout_s: float = 10.0, grad_scaler=None):
         torch.nn.Module.__init__(self)  # not DDP's: none of its machinery is built
+        self._backward_active = False
+        self.grad_scaler = grad_scaler  # checked before any traffic
         if isinstance(algorithm, str):
             from . import algorithms  # noqa: F401  (registers the built-ins)
             algorithm = build(algorithm)
@@ -257,6 +267,7 @@ class DistributedModel(DistributedDataParallel):
                                   heartbeat_timeout_s)
 
         self.broadcast_buffers = bool(broadcast_buffers)
+        self._round_scales = None  # the scaler's (scale, 1 / scale) for this round's buckets
         self._check_same_config()
         if broadcast_parameters:
             with torch.no_grad():
@@ -512,6 +523,20 @@ class DistributedModel(DistributedDataParallel):
             self.algorithm.load_state_dict(state)
 
     @property
+    def grad_scaler(self):
+        """The loop's ``torch.amp.GradScaler`` (see the class docstring), or None."""
+        return self._grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler):
+        if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+            raise TypeError(f"DistributedModel: grad_scaler must be a torch.amp.GradScaler or None, got "
+                            f"{type(scaler).__name__}")
+        if self._backward_active:
+            raise RuntimeError("DistributedModel: grad_scaler set inside a backward; set it between steps")
+        self._grad_scaler = scaler
+
+    @property
     def control_group(self):
         """The group that carries this model's control traffic: the model's group, or the gloo group made
         beside an NCCL one (``bagua_lite._control``)."""
@@ -575,6 +600,7 @@ class DistributedModel(DistributedDataParallel):
                 # backward. Otherwise the step count rides in the agreement after the buckets.
                 self._engine.submit(-1, self._no_tensor, [self._step_count_check])
             self._backward_active = True
+            self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
             self.algorithm._begin_round()  # register_state(rollback=True): before any bucket op runs
@@ -720,15 +746,27 @@ class DistributedModel(DistributedDataParallel):
             self._after_step()
 
     def _hand_over(self, b, j, p):
-        """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot."""
+        """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot. With a
+        loss scaler the algorithm gets the true gradient (one more pass: residuals, momenta and selections
+        then stay at one scale whatever the scaler does)."""
+        if self._round_scales is not None and p.grad is not None:
+            p.grad.mul_(self._round_scales[1])
         self.algorithm.on_gradient(b, j, p.grad)
         p.grad = b.view(j)
+
+    def _scaled(self, ops):
+        """``ops``, then the bucket back at the loss scaler's scale (``_hand_over`` unscaled what went in), so
+        ``.grad`` reaches the scaler's ``unscale_`` as it expects. Device tensors: no host synchronisation."""
+        if self._round_scales is None:
+            return ops
+        scale = self._round_scales[0]
+        return list(ops) + [lambda flat: flat.mul_(scale)]
 
     def _submit_ready(self):
         while self._next_bucket < len(self.buckets) and \
                 self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
             b = self.buckets[self._next_bucket]
-            self._engine.submit(b.index, b.flat, b.ops)
+            self._engine.submit(b.index, b.flat, self._scaled(b.ops))
             self._next_bucket += 1
 
     def _finish_backward(self):

@@ -212,7 +212,8 @@ class BaguaLiteStrategy(DDPStrategy):
         self._last_model = None
         self._distributed_model = DistributedModel(
             self.model, optimizers[0], algorithm=self._new_algorithm(), bucket_size_mb=self.bucket_size_mb,
-            broadcast_buffers=self.broadcast_buffers)
+            broadcast_buffers=self.broadcast_buffers,
+            grad_scaler=getattr(self.precision_plugin, "scaler", None))  # "16-mixed": the plugin's GradScaler
         self.model = self._distributed_model
 
     # ---- the loop ----------------------------------------------------------------------------------------

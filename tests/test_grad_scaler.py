@@ -1,0 +1,134 @@
+"""A GradScaler under every algorithm: DistributedModel(..., grad_scaler=scaler).
+
+The model unscales each bucket before the algorithm's ops and hands ``.grad`` back at the scaler's scale,
+so residuals, momenta and selections see true gradients, and the scaler's ``unscale_`` of a ``.grad`` that
+holds more than a gradient (topk/gtopk's momentum correction, qadam) is expected, not refused. With a
+power-of-two scale every step is then the same arithmetic as without a scaler: bit for bit. An overflow
+on one rank is skipped by every rank's scaler.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite.algorithms import build
+
+ALGORITHMS = {
+    "dense": ("gradient_allreduce", {}),
+    "fp16": ("gradient_allreduce", {"compression": "fp16"}),
+    "uint8": ("gradient_allreduce", {"compression": "minmax_uint8"}),
+    "sign": ("gradient_allreduce", {"compression": "sign"}),
+    "topk": ("topk", {"density": 0.1}),
+    "gtopk": ("gtopk", {"density": 0.1}),
+    "gtopk_no_correction": ("gtopk", {"density": 0.1, "momentum_correction": 0}),
+    "powersgd": ("powersgd", {"rank": 2}),
+    "qadam": ("qadam", {"warmup_steps": 2}),
+    "decentralized": ("decentralized", {}),
+    "local_sgd": ("local_sgd", {"period": 2}),
+    "diloco": ("diloco", {"period": 2}),
+}
+CENTRALIZED = ("dense", "fp16", "uint8", "sign", "topk", "gtopk", "gtopk_no_correction", "powersgd", "qadam")
+STEPS = 6
+
+
+def _run(rank, name, options, scaler_scale=None, overflow_at=None):
+    """Train STEPS steps; with ``scaler_scale``, through a GradScaler of that (constant) scale given to the
+    model. ``overflow_at``: on rank 1, that step's loss is made infinite. Weights after every step."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(10, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2) if name == "qadam" else \
+        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-2)
+    scaler = None if scaler_scale is None else \
+        torch.amp.GradScaler("cpu", init_scale=scaler_scale, growth_interval=10 ** 6)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001, grad_scaler=scaler)
+    weights, scales = [], []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(rank * 1000 + step)
+        x = torch.randn(8, 10, generator=g)
+        loss = F.cross_entropy(model(x), x[:, :4].argmax(1))
+        if step == overflow_at and rank == 1:
+            loss = loss * float("inf")
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)  # the AMP recipe's explicit unscale (where clipping would go)
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        opt.zero_grad()
+        weights.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
+    model.close()
+    return weights, scales
+
+
+def _r_parity(rank, P, keys):
+    out = {}
+    for key in keys:
+        name, options = ALGORITHMS[key]
+        plain, _ = _run(rank, name, options)
+        scaled, scales = _run(rank, name, options, scaler_scale=2.0 ** 12)
+        out[key] = {"same": all(torch.equal(a, b) for a, b in zip(plain, scaled)),
+                    "scales": scales, "last": scaled[-1]}
+    return out
+
+
+def test_every_algorithm_under_a_grad_scaler_is_bit_for_bit_the_unscaled_run(clusters):
+    P = 3
+    res = clusters.get(P).run(_r_parity, list(ALGORITHMS), timeout=300)
+    for key in ALGORITHMS:
+        for r in range(P):
+            o = res[r][key]
+            assert o["scales"] == [2.0 ** 12] * STEPS, (key, r, o["scales"])  # no step was skipped
+            assert o["same"], f"{key}, rank {r}: training under the GradScaler differs from training without it"
+        if key in CENTRALIZED:
+            assert all(torch.equal(res[0][key]["last"], res[r][key]["last"]) for r in range(P)), key
+
+
+def _r_overflow(rank, P, keys):
+    out = {}
+    for key in keys:
+        name, options = ALGORITHMS[key]
+        weights, scales = _run(rank, name, options, scaler_scale=2.0 ** 12, overflow_at=3)
+        out[key] = {"weights": weights, "scales": scales}
+    return out
+
+
+def test_an_overflow_on_one_rank_is_skipped_by_every_rank(clusters):
+    P = 2
+    res = clusters.get(P).run(_r_overflow, list(CENTRALIZED), timeout=300)
+    for key in CENTRALIZED:
+        for r in range(P):
+            w, scales = res[r][key]["weights"], res[r][key]["scales"]
+            assert scales == [2.0 ** 12] * 3 + [2.0 ** 11] * 3, (key, r, scales)  # step 3 skipped, scale halved
+            assert torch.equal(w[3], w[2]), f"{key}, rank {r}: the overflow step moved the weights"
+            assert not torch.equal(w[5], w[3]) and torch.isfinite(w[5]).all(), f"{key}, rank {r}: no training after"
+            assert torch.equal(w[5], res[0][key]["weights"][5]), f"{key}: replicas differ"
+
+
+def _r_clip_refused(rank, P):
+    net = torch.nn.Linear(10, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    model = bagua_lite.DistributedModel(net, opt, build("gtopk", density=0.5), grad_scaler=scaler)
+    scaler.scale(net(torch.randn(4, 10)).square().mean()).backward()
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 1e-3)  # clips the momentum-corrected update: refused
+    try:
+        scaler.step(opt)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        model.close()
+
+
+def test_clipping_after_the_scalers_unscale_is_still_refused(clusters):
+    for msg in clusters.get(2).run(_r_clip_refused):
+        assert msg is not None and ".grad was changed in place" in msg and "grad_scaler is no change" in msg, msg
+
+
+def test_grad_scaler_is_checked_before_any_traffic():
+    net = torch.nn.Linear(4, 2)
+    with pytest.raises(TypeError, match=r"grad_scaler must be a torch.amp.GradScaler or None, got float"):
+        bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1), grad_scaler=2.0 ** 16)
