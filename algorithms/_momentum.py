@@ -118,8 +118,8 @@ class MomentumCorrection:
         committed, self._committed = self._committed, None
         for b, grads in zip(self.model.buckets, committed or ()):
             idx = written[b.index]
-            if idx is None:
-                continue
+            if idx is None or b.flat.device.type != "cpu":  # the O(k) kernel is the CPU's: elsewhere the
+                continue  # optimizer's dense step, the same update (g is zero off the written entries)
             params, offsets, lrs = [], [], []
             for j, (p, g) in enumerate(zip(b.params, grads)):
                 gi = self.group[b.index][j]

@@ -4,7 +4,9 @@ view of one exchange (``degree``, ``traffic``). Used by ``_gossip.Gossip``.
 Peers: ``ring`` (both neighbours), ``ring_one_way`` (send to the right, receive from the left), ``shift_one``
 (one partner that rotates each exchange; odd P: one rank sits out), ``all`` (everyone, by collectives).
 """
-from bagua_lite import _C, _control, cost_model as cm
+import torch
+
+from bagua_lite import _C, _compat, _control, cost_model as cm
 from bagua_lite._groups import new_group_like
 
 PEER_SELECTIONS = ("ring", "ring_one_way", "shift_one", "all")
@@ -50,6 +52,20 @@ class Peers:
         self.fixed = one_way if peer_selection == "ring_one_way" else (both, both)
         #: how many ranks this rank receives from in one exchange, at most
         self.senders = max(1, len(self.fixed[1])) if peer_selection.startswith("ring") else 1
+        self._host = {}  # device buffer -> its host copy, for a transport without device send/recv
+
+    def staged(self, t) -> bool:
+        """Whether ``t`` travels through a host copy: gloo carries CUDA tensors in collectives but not in
+        send/recv (it would be handed a device pointer), so on a gloo group they are staged through the host."""
+        return t.device.type != "cpu" and _compat.backend_for(self.group, t.device.type) in (None, "gloo")
+
+    def _host_copy(self, t):
+        """A host buffer for ``t``, made once per device buffer (reused every exchange)."""
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        host = self._host.get(key)
+        if host is None:
+            host = self._host[key] = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        return host
 
     def of(self, exchange):
         """(ranks this rank sends to, ranks it receives from) in exchange number ``exchange``."""
@@ -63,10 +79,28 @@ class Peers:
         ``control``: t is a control message (host-side step pair), sent over the groups' control groups."""
         me, (to, frm), works = self.rank, self.of(exchange), []
         up, down = (_control.of(self.group), _control.of(self.down)) if control else (self.group, self.down)
+        if to and self.staged(t):
+            t = self._host_copy(t).copy_(t.reshape(-1))
         for peer in to:
             works.append((up if me < peer else down).send([t], peer, tag))
             if counted:
                 _C.count_sent(t.nbytes, 1)
         for buf, peer in zip(recv, frm):
-            works.append((up if peer < me else down).recv([buf], peer, tag))
+            if self.staged(buf):
+                host = self._host_copy(buf)
+                works.append(_StagedRecv((up if peer < me else down).recv([host], peer, tag), host, buf))
+            else:
+                works.append((up if peer < me else down).recv([buf], peer, tag))
         return works
+
+
+class _StagedRecv:
+    """A receive into a host buffer that, once waited for, lands in its device buffer (``Peers.post``)."""
+
+    def __init__(self, work, host, device_buffer):
+        self.work, self.host, self.device_buffer = work, host, device_buffer
+
+    def wait(self, *args):
+        done = self.work.wait(*args)
+        self.device_buffer.view(-1).copy_(self.host)
+        return done

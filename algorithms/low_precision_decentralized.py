@@ -75,7 +75,7 @@ class LowPrecisionDecentralized(Gossip):
             for a, b in zip(bounds, bounds[1:]):
                 if a >= b:
                     continue
-                wire = torch.empty(_aligned(self.compressor.wire_bytes(b - a)), dtype=torch.uint8)
+                wire = torch.empty(_aligned(self.compressor.wire_bytes(b - a)), dtype=torch.uint8, device=flat.device)
                 self.chunks.append((g, a, b, wire, [(p, lo, hi) for p, lo, hi in pieces if lo < b and hi > a]))
         self._receive_buffers()
         # fault tolerance: an exchange thread of an older membership never writes again (_drop_exchange)
