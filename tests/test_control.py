@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-import torch.nn.functional as F
 
 import bagua_lite
 from bagua_lite import _compat, _control
-from bagua_lite.algorithms import build
+
+from algo_matrix import build_model, loss_of, pick, weights
 
 
 def _device_only_backend(store, rank, size, timeout):
@@ -137,38 +137,18 @@ def _guard(counts):
             setattr(owner, fn, original)
 
 
-ALGORITHMS = {
-    "dense": ("gradient_allreduce", {}),
-    "uint8": ("gradient_allreduce", {"compression": "minmax_uint8"}),
-    "hierarchical": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2}),
-    "topk": ("topk", {"density": 0.1}),
-    "gtopk": ("gtopk", {"density": 0.1}),
-    "powersgd": ("powersgd", {"rank": 2}),
-    "qadam": ("qadam", {"warmup_steps": 2}),
-    "decentralized": ("decentralized", {}),
-    "decentralized_all": ("decentralized", {"peer_selection": "all"}),
-    "low_precision_decentralized": ("low_precision_decentralized", {}),
-    "local_sgd": ("local_sgd", {"period": 2}),
-    "streaming_diloco": ("diloco", {"period": 4, "fragments": 2, "overlap": 1, "alpha": 0.5, "compression": "absmax4"}),
-    "auto": ("auto", {"probe_steps": 2, "network": {"alpha": 1e-3, "beta": 1e-8}}),
-}
+ALGORITHMS = pick("dense", "uint8", "hierarchical", "topk", "gtopk", "powersgd", "qadam", "decentralized",
+                  "decentralized_all", "low_precision_decentralized", "local_sgd", "streaming_diloco", "auto")
 
 
 def _train(rank, name, options, steps=6):
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(10, 24), torch.nn.ReLU(), torch.nn.Linear(24, 4))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2) if name == "qadam" else \
-        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    net, opt, model = build_model(name, options)
     for step in range(steps):
-        g = torch.Generator().manual_seed(rank * 1000 + step)
-        x = torch.randn(8, 10, generator=g)
-        F.cross_entropy(model(x), x[:, :4].argmax(1)).backward()
+        loss_of(model, rank, step).backward()
         opt.step()
         opt.zero_grad()
     model.check_in_step("the test's final check")
-    weights = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone()
-    return model, opt, weights
+    return model, opt, weights(net)
 
 
 def _r_guarded(rank, P, names, ckpt_dir):

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The GPU check in one go: builds the extension against this machine's torch, then runs tests/gpu/ (every
+# kernel and codec against its CPU version; every algorithm under NCCL at P = 1 and over gloo with CUDA
+# tensors at P = 2 and 3, against its own CPU run) and prints one table: what x backend x P, ok, the largest
+# difference, whether a repeat was bit-identical. The table and the log go to $OUT (default gpu_check_out/).
+#
+#   bash scripts/gpu_check.sh                  on a machine with a CUDA device
+#   bash scripts/gpu_check.sh --cpu            without one: the CPU stands in for the device (checks the harness)
+#   bash scripts/gpu_check.sh --fetch-wheels   with network: wheels of what the suite needs beyond torch
+#                                              (pytest, numpy, pyyaml, ninja) for Python 3.12 into
+#                                              build/gpu_wheels/, for a GPU machine without network
+# Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=${BAGUA_LITE_GPU_WHEELS:-build/gpu_wheels}
+device=cuda
+case "${1:-}" in
+  --cpu) device=cpu; shift ;;
+  --fetch-wheels)
+    "$PY" -m pip download --quiet --only-binary=:all: --python-version "${GPU_PYTHON_VERSION:-3.12}" \
+      --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" pytest numpy pyyaml ninja
+    du -sh "$WHEELS"
+    exit 0 ;;
+esac
+start=$(date +%s)
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+if ! "$PY" -c "import pytest, numpy, yaml" 2>/dev/null; then
+  if [ -d "$WHEELS" ]; then
+    "$PY" -m pip install --quiet --no-index --find-links "$WHEELS" pytest numpy pyyaml ninja
+  else
+    "$PY" -m pip install --quiet pytest numpy pyyaml ninja
+  fi
+fi
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device',
+  torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none')" | tee "$OUT/versions.txt"
+# --no-deps: nothing is fetched (the machine may have no network); the extension builds against this torch
+MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --quiet --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { tail -30 "$OUT/build.log"; exit 1; }
+echo "gpu_check: built in $(( $(date +%s) - start )) s"
+rc=0
+BAGUA_LITE_GPU_CHECK=$device OUT=$OUT "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log" || rc=$?
+echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); table: $OUT/gpu_check.md" | tee -a "$OUT/pytest.log"
+exit $rc

@@ -1,0 +1,55 @@
+"""The GPU suite: every kernel, codec and algorithm on a device against its own CPU run.
+
+Run by ``bash scripts/gpu_check.sh`` (not by the default ``pytest``: tests/conftest.py leaves this folder
+out unless ``BAGUA_LITE_GPU_CHECK`` is set). ``BAGUA_LITE_GPU_CHECK=cuda`` (the script's default) needs a
+CUDA device; ``BAGUA_LITE_GPU_CHECK=cpu`` runs the same suite with the CPU standing in for the device, so
+the harness itself is checked on a machine without a GPU (every difference is then 0).
+
+Each test adds rows to one table (``record``), printed at the end of the session and written as
+``gpu_check.md`` and ``gpu_check.json`` under ``$OUT`` (or the working directory).
+"""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))  # tests/: algo_matrix.py
+from gpu_device import DEVICE, device  # noqa: E402
+
+ROWS = []
+
+
+@pytest.fixture
+def dev():
+    return device()
+
+
+@pytest.fixture
+def record():
+    def add(what, backend, P, ok, diff, repeat="", note=""):
+        ROWS.append({"what": what, "backend": backend, "P": P, "ok": bool(ok), "max_diff": diff,
+                     "repeat": repeat, "note": note})
+    return add
+
+
+def _fmt(v):
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not ROWS:
+        return
+    head = ["what", "backend", "P", "ok", "max_diff", "repeat", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(_fmt(r[k]) for k in head) + " |" for r in ROWS]
+    bad = sum(not r["ok"] for r in ROWS)
+    lines.append(f"\n{len(ROWS) - bad} of {len(ROWS)} rows ok (device: {DEVICE})")
+    text = "\n".join(lines)
+    terminalreporter.write_line("")
+    terminalreporter.write_line(text)
+    out = os.environ.get("OUT") or os.getcwd()
+    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+        json.dump(ROWS, f, indent=1)

@@ -1,0 +1,106 @@
+"""Every kernel and codec on the device against its CPU version, on fresh random inputs: bit for bit
+(codecs: the same wire bytes, so CPU and GPU ranks could interoperate and checkpoints stay portable)."""
+import pytest
+import torch
+
+from bagua_lite import _C, compressors
+from bagua_lite import kernels as K
+
+SIZES = [0, 1, 7, 1000, 65537, (1 << 20) + 3]
+NATIVE = ["fp16", "bf16", "minmax_uint8", "sign"]
+PYTHON = ["absmax4", "absmax2", "topk1", "topk3_absmax2"]
+
+
+def _x(n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 3).to(dtype)
+
+
+def _diff(a, b):
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.dtype == torch.uint8:
+        return float((a.int() - b.int()).abs().max()) if a.numel() else 0.0
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_topk(dev, record, dtype):
+    worst, ok = 0.0, True
+    for n in SIZES[1:]:
+        for k in sorted({1, max(1, n // 1000), max(1, n // 100), n}):
+            x = _x(n, n + k, dtype)
+            cv, ci = K.topk(x, k)
+            dv, di = K.topk(x.to(dev), k)
+            same = torch.equal(cv, dv.cpu()) and torch.equal(ci, di.cpu())
+            ok &= same and dv.device == dev and dv.numel() == k
+            worst = max(worst, _diff(cv, dv))
+    for name, x in [("all equal", torch.full((5000,), 0.5)), ("ties", torch.tensor([1.0, -1.0] * 3000)),
+                    ("one huge", torch.cat([torch.zeros(9999), torch.tensor([3e38])])),
+                    ("denormals", torch.full((4096,), 1e-44))]:
+        cv, ci = K.topk(x, 17)
+        dv, di = K.topk(x.to(dev), 17)
+        ok &= torch.equal(cv, dv.cpu()) and torch.equal(ci, di.cpu())
+    record(f"kernel topk {str(dtype)[6:]}", "-", 1, ok, worst)
+    assert ok
+
+
+@pytest.mark.parametrize("name", NATIVE + PYTHON)
+def test_codec_wire_bytes_and_decode(dev, record, name):
+    comp = compressors.get_compressor(name)
+    worst, ok = 0.0, True
+    for n in SIZES:
+        if n == 0 and name.startswith("topk"):
+            continue
+        x = _x(n, 11 * n + 1)
+        wire_c = torch.empty(comp.wire_bytes(n), dtype=torch.uint8)
+        wire_d = torch.empty(comp.wire_bytes(n), dtype=torch.uint8, device=dev)
+        comp.compress(x, wire_c)
+        comp.compress(x.to(dev), wire_d)
+        ok &= torch.equal(wire_c, wire_d.cpu())
+        worst = max(worst, _diff(wire_c, wire_d))
+        for accumulate in (False, True):
+            out_c, out_d = x.clone(), x.to(dev)
+            comp.decompress(wire_c, out_c, accumulate=accumulate)
+            comp.decompress(wire_c.to(dev), out_d, accumulate=accumulate)
+            ok &= torch.equal(out_c, out_d.cpu())
+            worst = max(worst, _diff(out_c, out_d))
+    record(f"codec {name}", "-", 1, ok, worst, note="wire bytes and decode (+accumulate)")
+    assert ok
+
+
+def test_sparse_kernels(dev, record):
+    ok, g = True, torch.Generator().manual_seed(3)
+    for n in SIZES[2:]:
+        k = max(1, n // 50)
+        av, ai = K.topk(_x(n, 1), k)
+        bv, bi = K.topk(_x(n, 2), k)
+        merged_c = K.merge_topk(av, ai, bv, bi, k)
+        merged_d = K.merge_topk(av.to(dev), ai.to(dev), bv.to(dev), bi.to(dev), k)
+        ok &= all(torch.equal(c, d.cpu()) for c, d in zip(merged_c, merged_d))
+        idx = torch.randint(0, n, (3 * k,), generator=g, dtype=torch.int32)
+        vals = _x(3 * k, 4)
+        norm_c = K.sparse_normalize(vals, idx)
+        norm_d = K.sparse_normalize(vals.to(dev), idx.to(dev))
+        ok &= all(torch.equal(c, d.cpu()) for c, d in zip(norm_c, norm_d))
+        dense_c, dense_d = _x(n, 5), _x(n, 5).to(dev)
+        K.scatter_add_(dense_c, vals, idx)
+        K.scatter_add_(dense_d, vals.to(dev), idx.to(dev))
+        ok &= torch.equal(dense_c, dense_d.cpu())
+        K.ef_remove_(dense_c, ai)
+        K.ef_remove_(dense_d, ai.to(dev))
+        ok &= torch.equal(dense_c, dense_d.cpu())
+    record("kernels merge_topk, sparse_normalize, scatter_add_, ef_remove_", "-", 1, ok, 0.0 if ok else float("nan"))
+    assert ok
+
+
+def test_a_kernel_without_a_device_path_raises_naming_it(dev, record):
+    """No input crashes the process: block maxima are a CPU-only aid, refused on another device by name."""
+    x = _x(1000, 9).to(dev)
+    v, i = torch.empty(5, device=dev), torch.empty(5, dtype=torch.int32, device=dev)
+    bm = torch.zeros(16, dtype=torch.int32, device=dev)
+    if dev.type == "cpu":
+        record("device-only refusals", "-", 1, True, 0.0, note="not applicable on the CPU")
+        return
+    with pytest.raises((ValueError, RuntimeError), match="CPU"):
+        _C.topk_out(x, 5, v, i, bm)
+    record("device-only refusals", "-", 1, True, 0.0)
