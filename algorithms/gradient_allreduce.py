@@ -119,7 +119,8 @@ class GradientAllReduce(Algorithm):
         if self.compression == "none":
             return [self.native.AllreduceOp(self.process_group, False)]  # pre-scaled in on_gradient
         if self._cast_allreduce():
-            half, pg, P = torch.empty(bucket.numel, dtype=torch.float16), self.process_group, self.world_size
+            half = torch.empty(bucket.numel, dtype=torch.float16, device=bucket.device)
+            pg, P = self.process_group, self.world_size
 
             def fp16_allreduce(flat):
                 half.copy_(flat)

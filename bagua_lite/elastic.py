@@ -183,7 +183,9 @@ def reform(base, g, members, me, backend, timeout, watch=None):
 
 def broadcast_state(state, group, src=0):
     """``state`` (nested dicts, lists and tuples of tensors and plain values) from rank ``src`` of ``group``
-    to every rank (the others pass None); the tensors travel as one flat buffer per dtype, the rest pickled."""
+    to every rank (the others pass None); the tensors travel as one flat buffer per dtype, the rest pickled.
+    The buffers travel from the host (a copy where the sender keeps them on a device), so every rank takes
+    part with a CPU tensor, whatever device each keeps its state on; the receivers' loaders move it."""
     tensors = []
 
     def strip(x):  # the structure, each tensor replaced by its index in ``tensors``
@@ -206,7 +208,7 @@ def broadcast_state(state, group, src=0):
     for dtype in sorted({dt for _, dt in metas}, key=str):
         idx = [i for i, (_, dt) in enumerate(metas) if dt == dtype]
         sizes = [int(torch.Size(metas[i][0]).numel()) for i in idx]
-        flat = torch.cat([tensors[i].reshape(-1) for i in idx]) if is_src else torch.empty(sum(sizes), dtype=dtype)
+        flat = torch.cat([tensors[i].reshape(-1).cpu() for i in idx]) if is_src else torch.empty(sum(sizes), dtype=dtype)
         dist.broadcast(flat, group_src=src, group=group)
         for i, piece in zip(idx, flat.split(sizes)):
             received[i] = piece.view(metas[i][0])
