@@ -80,5 +80,6 @@ def is_side_group(group) -> bool:
 
 
 def forget(group) -> None:
-    """Drop ``group``'s control group (the group was destroyed: a new generation after a membership change)."""
+    """Stop routing ``group``'s control traffic through the group ``setup`` made (``group`` is no longer used;
+    e.g. a test that forced ``BAGUA_LITE_CONTROL_GROUP=side`` for a while)."""
     _side.pop(id(group), None)

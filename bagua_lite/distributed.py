@@ -136,9 +136,9 @@ class DistributedModel(DistributedDataParallel):
     before every forward with gradients enabled (not for asynchronous algorithms).
 
     ``grad_scaler``: the ``torch.amp.GradScaler`` of a mixed-precision loop (``scaler.scale(loss).backward()``,
-    ``scaler.unscale_(opt)``, ``scaler.step(opt)``), or None. Given, every bucket is unscaled before the
-    algorithm's ops and handed back to ``.grad`` at the scaler's scale after them, so residuals, momenta and
-    selections are at one scale whatever the scaler does, and ``unscale_`` of a ``.grad`` that holds more than
+    ``scaler.unscale_(opt)``, ``scaler.step(opt)``), or None. Given, each gradient is unscaled as it is handed
+    to the algorithm and each bucket goes back to ``.grad`` at the scaler's scale after the algorithm's ops,
+    so residuals, momenta and selections are at one scale whatever the scaler does, and ``unscale_`` of a ``.grad`` that holds more than
     a gradient (topk/gtopk's momentum correction, qadam) is expected. With a power-of-two scale (the
     scaler's default) an algorithm trains bit for bit as it does without a scaler, and an overflow step is
     skipped on every rank. Settable later (``model.grad_scaler = scaler``), between steps.
