@@ -116,3 +116,39 @@ def test_grad_scaler_is_checked_before_any_traffic():
     net = torch.nn.Linear(4, 2)
     with pytest.raises(TypeError, match=r"grad_scaler must be a torch.amp.GradScaler or None, got float"):
         bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1), grad_scaler=2.0 ** 16)
+
+
+def _r_accumulate(rank, P, keys):
+    """Two micro-batches a step, the first under no_sync() (gradients accumulate, scaled, until the synced
+    backward), with and without the scaler; both zero_grad flavours."""
+    out = {}
+    for key in keys:
+        name, options = ALGORITHMS[key]
+        runs = []
+        for scaled in (False, True):
+            for set_to_none in (True, False):
+                scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=10 ** 6) if scaled else None
+                net, opt, model = build_model(name, options, grad_scaler=scaler, weight_decay=1e-2)
+                for step in range(4):
+                    with model.no_sync():
+                        loss = loss_of(model, rank, 100 + step)
+                        (scaler.scale(loss) if scaled else loss).backward()
+                    loss = loss_of(model, rank, step)
+                    (scaler.scale(loss) if scaled else loss).backward()
+                    if scaled:
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        opt.step()
+                    opt.zero_grad(set_to_none=set_to_none)
+                model.close()
+                runs.append(weights(net))
+        out[key] = [torch.equal(runs[0], r) for r in runs[1:]]
+    return out
+
+
+def test_accumulation_under_no_sync_with_a_grad_scaler(clusters):
+    keys = ["dense", "topk", "gtopk", "powersgd", "qadam"]
+    for r, out in enumerate(clusters.get(2).run(_r_accumulate, keys)):
+        for key in keys:
+            assert all(out[key]), f"{key}, rank {r}: accumulation under the scaler differs {out[key]}"
