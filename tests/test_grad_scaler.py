@@ -152,3 +152,37 @@ def test_accumulation_under_no_sync_with_a_grad_scaler(clusters):
     for r, out in enumerate(clusters.get(2).run(_r_accumulate, keys)):
         for key in keys:
             assert all(out[key]), f"{key}, rank {r}: accumulation under the scaler differs {out[key]}"
+
+
+def _r_fp16_autocast(rank, P, keys):
+    """The consumer-GPU recipe on the CPU: fp16 autocast and a GradScaler whose first scale (2^24) overflows
+    fp16's backward, so the first steps are skipped and the scale backs off until training goes on."""
+    out = {}
+    for key in keys:
+        name, options = ALGORITHMS[key]
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24)
+        net, opt, model = build_model(name, options, grad_scaler=scaler)
+        start, scales = weights(net), []
+        for step in range(14):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_of(model, rank, step)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            opt.zero_grad()
+        model.close()
+        out[key] = {"scales": scales, "start": start, "end": weights(net)}
+    return out
+
+
+def test_fp16_autocast_with_a_grad_scaler_skips_overflows_and_trains_under_every_algorithm(clusters):
+    P = 2
+    res = clusters.get(P).run(_r_fp16_autocast, list(ALGORITHMS), timeout=300)
+    for key in ALGORITHMS:
+        for r in range(P):
+            o = res[r][key]
+            assert o["scales"][0] < 2.0 ** 24 and o["scales"][-1] == o["scales"][-2], (key, r, o["scales"])
+            assert torch.isfinite(o["end"]).all() and not torch.equal(o["end"], o["start"]), (key, r)
+        if key in CENTRALIZED:
+            assert torch.equal(res[0][key]["end"], res[1][key]["end"]), f"{key}: replicas differ"
