@@ -17,7 +17,7 @@ if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split(
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-git ls-files -z --cached --others --exclude-standard | xargs -0 tar -cf - | tar -xf - -C "$work"
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C "$work"
 cd "$work"
 "$VENV/bin/python" -m pip install --quiet --no-build-isolation -e .
 "$VENV/bin/python" -c "import torch, bagua_lite; print('bagua_lite built against torch', torch.__version__)"
