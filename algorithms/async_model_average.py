@@ -32,13 +32,14 @@ optimizer state, and the members and joiners average their weights once, as afte
 import torch.distributed as dist
 
 from bagua_lite import _control, cost_model as cm
+from bagua_lite._failfast import PeerFailedError
 from bagua_lite._groups import group_timeout
 from bagua_lite._options import int_at_least
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
 
-from ._averaging_thread import AveragingThread, StepLock
+from .parts.averaging_thread import AveragingThread, StepLock
 
 
 @register("async_model_average")
@@ -76,8 +77,7 @@ class AsyncModelAverage(Algorithm):
 
     def init(self, model):
         self._build(model)
-        elastic = model._elastic
-        if elastic is not None and elastic.membership.generation > 0:  # a joiner, admitted: mirrors regroup()
+        if model.membership is not None and model.membership.joining:  # a joiner, admitted: mirrors regroup()
             self._average_all()  # its thread starts once the step count came (load_shared_state_dict)
         elif self.warmup_steps == 0:
             self.thread.start()
@@ -91,7 +91,7 @@ class AsyncModelAverage(Algorithm):
         self._stop_wait_s = group_timeout(self.group).total_seconds() + self.sync_interval_ms / 1000 + 10
         # .data: average the storage without bumping autograd's version counters (see the docstring)
         self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")
-        joiners = model._elastic.joiners_waiting if model._elastic is not None else None
+        joiners = model.membership.joiners_waiting if model.membership is not None else None
         self.thread = AveragingThread(self.averager, self.group, self.sync_interval_ms / 1000, self._step_lock,
                                       joiners, rounds)
 
@@ -116,7 +116,6 @@ class AsyncModelAverage(Algorithm):
         """Before a local step's forward: the background averaging failed (a peer lost) is this step's news."""
         error = self.thread.worker.error
         if error is not None:
-            from bagua_lite._failfast import PeerFailedError
             raise PeerFailedError(f"async_model_average: the background averaging failed: "
                                   f"{type(error).__name__}: {error}") from error
 
@@ -151,7 +150,7 @@ class AsyncModelAverage(Algorithm):
 
     def before_forward(self):
         self._step_lock.release()  # only if an optimizer step raised between its pre and post hooks
-        if self.model._elastic is None:  # else the model asked peer_lost() already, where a loss is healed
+        if self.model.membership is None:  # else the model asked peer_lost() already, where a loss is healed
             self._check()
 
     def before_step(self):
@@ -159,10 +158,10 @@ class AsyncModelAverage(Algorithm):
 
     def after_step(self):
         self._step_lock.release()
-        if self.model._elastic is None:
+        if self.model.membership is None:
             self._check()
         elif self.thread.admission:  # every rank's thread ended in the same round: admit at this boundary
-            self.model._elastic.grow_after_step = True
+            self.model.membership.admit_after_step()
             return
         if self.step == self.warmup_steps:
             self.averager.reset_anchor()  # replicas are identical at the end of warm-up
@@ -191,8 +190,8 @@ class AsyncModelAverage(Algorithm):
         With fault tolerance, a rank whose thread ended to admit joiners first takes part in that admission
         (the other members wait for it at their next step boundary), then ends everyone's averaging."""
         self._step_lock.release()
-        if self.model._elastic is not None and self.thread.admission and not self.model.peer_failed():
-            self.model._elastic.grow()
+        if self.model.membership is not None and self.thread.admission and not self.model.peer_failed():
+            self.model.membership.admit_now()
             if not self.paused and self.step >= self.warmup_steps:
                 self.thread.start()  # its first round says stop: the others' new threads end with it
         self.thread.stop(self._stop_wait_s, self.model.peer_failed)

@@ -1,10 +1,10 @@
 """Auto: run the relaxation that the cost model predicts reaches the accuracy first for this model, network and P.
 
-    set-up:                 measure the network and the machine             (``_auto_probe``)
+    set-up:                 measure the network and the machine             (``parts.auto_probe``)
     steps 1..probe_steps:   local SGD steps, nothing in the buckets: their compute, and the fixed cost
-                            of a synchronous round between them, are measured clean  (``_auto_probe``)
+                            of a synchronous round between them, are measured clean  (``parts.auto_probe``)
     after the last probe:   agree on the inputs, pick by predicted time to accuracy, average the
-                            replicas if the pick needs them equal, log one line  (``_auto_decision``)
+                            replicas if the pick needs them equal, log one line  (``parts.auto_decision``)
     from then on:           the model runs the pick (auto hands it over); its step count is the
                             training's (the probe steps count as its first steps), so its schedule keeps
                             the phase it has on its own: local SGD averages after steps H, 2H, ... (H its
@@ -27,16 +27,26 @@ import logging
 from bagua_lite import cost_model
 from bagua_lite._options import int_at_least, number_at_least, within
 from bagua_lite.algorithm import Algorithm, build, register
+from bagua_lite.elastic import MembershipError
 
-from . import _auto_decision as decide
-from ._auto_probe import Probe, check_given, network_and_machine
+from .parts import auto_decision as decide
+from .parts.auto_probe import Probe, check_given, network_and_machine
 
 log = logging.getLogger("bagua_lite")
+
+#: auto's default candidates, most exact first (ties within auto's tolerance go to the earlier one)
+DEFAULT_CANDIDATES = (
+    {"name": "gradient_allreduce"},
+    {"name": "gradient_allreduce", "options": {"compression": "fp16"}},
+    {"name": "gtopk", "options": {"density": 0.001}},
+    {"name": "topk", "options": {"density": 0.001}},
+    {"name": "local_sgd"},
+)
 
 
 @register("auto")
 class Auto(Algorithm):
-    def __init__(self, candidates: list = cost_model.DEFAULT_AUTO_CANDIDATES, probe_steps: int = 3,
+    def __init__(self, candidates: list = DEFAULT_CANDIDATES, probe_steps: int = 3,
                  tolerance: float = 0.05, network: dict = None, machine: dict = None, compute_s: float = None,
                  backward_fraction: float = 0.66, efficiency: dict = None, efficiency_from: str = None):
         super().__init__()
@@ -74,19 +84,28 @@ class Auto(Algorithm):
     #: while probing (the pick admits them once it runs)
     admits_joiners = False
 
+    @classmethod
+    def predicted_as(cls, options, P, work, net, machine):
+        """What :func:`~bagua_lite.cost_model.choose` picks from the options' ``candidates`` (with their
+        ``network`` override and ``efficiency``, as :meth:`init` does), predicted under ``net``."""
+        cands = cost_model.normalize_candidates(options.get("candidates", DEFAULT_CANDIDATES))
+        pick_net = cost_model.Network(**options["network"]) if options.get("network") else net
+        i, picks = cost_model.choose(cands, P, work, pick_net, machine, tolerance=options.get("tolerance", 0.05),
+                                     efficiency=cost_model.check_efficiency(options.get("efficiency"), cands))
+        name, opts = cands[i]
+        return name, opts, {"picked": cost_model.label(name, opts), "efficiency": picks[i]["efficiency"]}
+
     def heal(self):
-        from bagua_lite.elastic import MembershipError
         raise MembershipError(f"auto: a worker was lost during its probe (its first {self.probe_steps} steps, at "
                               f"step {self.step}), before it picked an algorithm: restart the job, or name the "
                               f"algorithm in the config")
 
     # ---- set-up ------------------------------------------------------------------------------------------
     def init(self, model):
-        elastic = model._elastic
-        if elastic is not None and elastic.membership.generation > 0:  # a joiner: rank 0's pick, not a probe
+        if model.membership is not None and model.membership.joining:  # a joiner: rank 0's pick, not a probe
             import torch.distributed as dist
             box = [None]
-            dist.broadcast_object_list(box, group_src=0, group=model.control_group)  # DistributedModel._admit
+            dist.broadcast_object_list(box, group_src=0, group=model.control_group)  # as the members send it (DistributedModel's admission)
             self.load_state_dict(box[0])  # hands the model the pick, set up as the members' regroup() did
             return
         self.probe = Probe(model)

@@ -10,7 +10,7 @@ left, 1/2 each: W = (I + shift) / 2 is doubly stochastic, so the mean is kept, a
 decompression work of ``ring``), ``shift_one`` (one partner that rotates each exchange, 1/2 each; odd P:
 one rank sits out), ``all`` (everyone). Every ``communication_interval`` steps; in between the
 steps are purely local. Replicas differ by design; under ``ring`` their spread shrinks geometrically.
-The exchange itself (peers, groups, step counts, fail fast) is ``_gossip.Gossip``'s.
+The exchange itself (peers, groups, step counts, fail fast) is ``parts.gossip.Gossip``'s.
 
 ``compression`` (any registered compressor, e.g. ``minmax_uint8``) sends compressed weight *differences*
 with error compensation instead (CHOCO-gossip, with its ``consensus_step``): ``decentralized`` with a
@@ -22,8 +22,8 @@ import torch.distributed as dist
 from bagua_lite import _C, cost_model as cm
 from bagua_lite.algorithm import register
 
-from ._gossip import Gossip
-from ._peers import degree, traffic
+from .parts.gossip import Gossip
+from .parts.peers import degree, traffic
 from .low_precision_decentralized import LowPrecisionDecentralized
 
 

@@ -67,11 +67,11 @@ class GradientAllReduce(Algorithm):
     def _node_groups(self, model):
         """The groups inside each node and among the node leaders (collective)."""
         world = dist.get_process_group_ranks(model.process_group)
-        if model._elastic is None:
+        if model.membership is None:
             n = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", model.world_size))
             nodes = [world[i:i + n] for i in range(0, len(world), n)]
         else:  # the members' ranks change with every membership: a node is the ranks that share a host
-            me = model._elastic.membership.me
+            me = model.membership.member_id
             keys = [None] * len(world)
             dist.all_gather_object(keys, me // self.ranks_per_node if self.ranks_per_node else socket.gethostname(),
                                    group=model.control_group)

@@ -17,7 +17,7 @@ from bagua_lite import comm, kernels
 from bagua_lite import cost_model as cm
 from bagua_lite.algorithm import register
 
-from ._sparse import ErrorFeedbackSparsifier
+from .parts.sparse import ErrorFeedbackSparsifier
 
 
 @register("gtopk")
@@ -53,4 +53,4 @@ class GTopK(ErrorFeedbackSparsifier):
         kernels.ef_remove_(acc, sent)
         self.clear_result(flat, bucket.index)           # k entries, not the whole bucket
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
-        self._written[bucket.index] = g_indices
+        return g_indices

@@ -1,7 +1,7 @@
 """Low-precision decentralized SGD (BAGUA's): decentralized SGD that sends compressed weight *differences*
 with error compensation instead of weights (CHOCO-gossip, Koloskova et al. 2019). Every rank keeps x_hat,
 the copy of its weights its peers know, and the sum of the copies it receives (neighbours must be fixed:
-``ring``, ``ring_one_way`` or ``all``; the exchange itself is ``_gossip.Gossip``'s):
+``ring``, ``ring_one_way`` or ``all``; the exchange itself is ``parts.gossip.Gossip``'s):
 
     forward starts:   q_i <- C(x_t - x_hat_i), send q_i to the neighbours
     backward, step:   x' <- x_t - lr * update(grad f(x_t))            (the user's optimizer, local)
@@ -24,8 +24,8 @@ from bagua_lite._options import compressor
 from bagua_lite._worker import Worker
 from bagua_lite.algorithm import register
 
-from ._gossip import Gossip
-from ._peers import degree, traffic
+from .parts.gossip import Gossip
+from .parts.peers import degree, traffic
 
 # elements per compressed message: the wire starts once the (smaller) first chunk is packed
 FIRST_CHUNK, CHUNK = 1 << 20, 1 << 22
@@ -80,7 +80,7 @@ class LowPrecisionDecentralized(Gossip):
         self._receive_buffers()
         # fault tolerance: an exchange thread of an older membership never writes again (_drop_exchange)
         self._generation, self._fold_lock = 0, threading.Lock()
-        if model._elastic is not None and model._elastic.membership.generation > 0:
+        if model.membership is not None and model.membership.joining:
             self._restart_gossip()  # a joiner, admitted: as the members do in regroup()
 
     def _receive_buffers(self):

@@ -33,7 +33,7 @@ from bagua_lite import comm
 from bagua_lite._options import int_at_least, number_at_least
 from bagua_lite.algorithm import Algorithm, register
 
-from . import _powersgd_plan
+from .parts import powersgd_plan
 
 _Q_SEED = 0  # the initial Q's, drawn once in init: identical on every rank
 # QR has no bf16/fp16 kernels (and would lose the orthogonality there): those P's are orthogonalized in fp32
@@ -50,11 +50,11 @@ class PowerSGD(Algorithm):
 
     @classmethod
     def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
-        """Two allreduces per bucket after the warm-up (``_powersgd_plan.traffic``)."""
-        return _powersgd_plan.traffic(o, P, numels, elem_bytes, machine, rank)
+        """Two allreduces per bucket after the warm-up (``powersgd_plan.traffic``)."""
+        return powersgd_plan.traffic(o, P, numels, elem_bytes, machine, rank)
 
     def compressible(self, param) -> bool:
-        return _powersgd_plan.compressible(tuple(param.shape), self.rank, self.min_compression_rate)
+        return powersgd_plan.compressible(tuple(param.shape), self.rank, self.min_compression_rate)
 
     @property
     def step_dependent_wire(self):

@@ -8,7 +8,7 @@ compressed once Adam's second moment has settled and been frozen. The optimizer 
                            t <- t + 1;  x <- x * (1 - lr * wd)                 # AdamW only
                            x <- x - lr * clip(m / (1 - beta1^t) / (sqrt(v_hat) + eps), B)
 
-with v_hat (v bias-corrected once, at the freeze) and the bound B explained in ``_frozen_adam``, which
+with v_hat (v bias-corrected once, at the freeze) and the bound B explained in ``parts.frozen_adam``, which
 holds the optimizer's side. m is identical on every rank (it is the previous step's averaged momentum),
 so the replicas stay identical. The post-warm-up update runs in an optimizer step pre-hook, which then
 sets ``.grad`` to None so that torch's step skips the parameter. ``compression``: any registered
@@ -28,7 +28,7 @@ from bagua_lite._options import compressor, int_at_least
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.bucket import refuse_changed
 
-from ._frozen_adam import FrozenAdam
+from .parts.frozen_adam import FrozenAdam
 
 
 @register("qadam")

@@ -7,7 +7,7 @@ on every rank, so no size exchange precedes it) and every rank sums them. Cost: 
 from bagua_lite import comm, kernels
 from bagua_lite.algorithm import register
 
-from ._sparse import ErrorFeedbackSparsifier
+from .parts.sparse import ErrorFeedbackSparsifier
 
 
 @register("topk")
@@ -30,4 +30,4 @@ class TopK(ErrorFeedbackSparsifier):
                                                     k=values.numel())
         self.clear_result(flat, bucket.index)
         kernels.scatter_add_(flat, g_values, g_indices)
-        self._written[bucket.index] = g_indices
+        return g_indices

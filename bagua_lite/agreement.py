@@ -15,10 +15,18 @@ path; there are two encodings and one comparison (:func:`span`, :func:`check`):
   ring and shift_one exchanges are point to point, with no collective to ride in: the pair travels as a
   16-byte message to each peer, posted ahead of the data, and the peers' pairs as received give the range.
 """
+import hashlib
+import json
 from typing import Callable, Iterable, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from . import _compat, _control
+from ._failfast import PeerFailedError
+
+BITS = 62  # parameters per int64 word of the used-parameter bitmap
+_ALL_USED = (1 << BITS) - 1
 
 
 def encode(step: int, out: torch.Tensor = None) -> torch.Tensor:
@@ -48,3 +56,147 @@ def check(lo: int, hi: int, error: Callable[[], str]) -> None:
     """Raise ``RuntimeError(error())`` unless every rank is at the same step (``lo == hi``)."""
     if lo != hi:
         raise RuntimeError(error())
+
+
+def config_digest(algorithm, bucket_size_mb: float) -> int:
+    text = json.dumps({"algorithm": algorithm.name, "options": algorithm.options(), "bucket_size_mb": bucket_size_mb},
+                      sort_keys=True, default=repr)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
+
+
+def _digest(obj) -> int:
+    return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
+
+
+class RoundAgreement:
+    """DistributedModel's agreement between ranks (a mixin: it shares the model's state): the config check at
+    set-up, and after every synchronised round's buckets one all_gather that says whether every rank is at
+    the same step, whether any rank's gradient held inf/NaN (the round is committed or discarded on every
+    rank) and which parameters no rank used."""
+
+    def _check_same_config(self):
+        """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
+        shapes, dtypes, requires_grad, as DDP checks). A mismatch raises on every rank, naming the ranks
+        (and, for the layout, the first differing parameter) before any collective that could abort."""
+        layout = [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+                  for name, p in self.module.named_parameters()]
+        configured = getattr(self, "configured_algorithm", self.algorithm)  # auto, also once it picked
+        mine = torch.tensor([config_digest(configured, self.bucket_size_mb), _digest(layout)], dtype=torch.int64)
+        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.control_group)
+        differ = [r for r, d in enumerate(everyone) if int(d[0]) != int(everyone[0][0])]
+        if differ:
+            raise ValueError(f"DistributedModel: ranks were started with different configurations: rank(s) "
+                             f"{differ} differ from rank 0 (this is rank {self.rank}, running "
+                             f"{configured!r}, bucket_size_mb={self.bucket_size_mb})")
+        differ = [r for r, d in enumerate(everyone) if int(d[1]) != int(everyone[0][1])]
+        if differ:
+            layouts = [None] * self.world_size
+            dist.all_gather_object(layouts, layout, group=self.control_group)
+            r, ref, other = differ[0], layouts[0], layouts[differ[0]]
+            i = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
+            what = lambda entry: ("no parameter" if entry is None else  # noqa: E731
+                                  f"{entry[0]!r} shape {list(entry[1])} {entry[2]} requires_grad={entry[3]}")
+            raise ValueError(
+                f"DistributedModel: the model differs across ranks: rank(s) {differ} differ from rank 0 "
+                f"(this is rank {self.rank}); first difference, parameter #{i}: rank 0 has "
+                f"{what(ref[i] if i < len(ref) else None)}, rank {r} has {what(other[i] if i < len(other) else None)}. "
+                f"Every rank must build the same model and freeze the same parameters")
+
+    def _gather_ints(self, values, group=None, on_engine=False):
+        """Every rank's list of ints (one all_gather of len(values) int64 per rank), as a list per rank.
+        ``on_engine``: called from an op on the engine thread (else, with fault_tolerant, it runs there)."""
+        if self.world_size == 1:
+            return [list(values)]
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        pg = _control.of(self.process_group if group is None else group)
+        if self._elastic is not None and not on_engine:  # so that a peer's failure is seen, not waited for
+            try:
+                self.run_collective("step agreement", lambda: _compat.all_gather_single(out, mine, group=pg))
+            except (PeerFailedError, RuntimeError) as e:
+                self._elastic.comm_error = e
+                raise
+            return out.view(self.world_size, len(values)).tolist()
+        try:  # blocking: a peer that failed in this round's buckets never gets here (they fail fast)
+            _compat.all_gather_single(out, mine, group=pg)
+        except RuntimeError as e:
+            self._failfast.announce(f"a step-control all_gather failed: {e}")
+            raise
+        return out.view(self.world_size, len(values)).tolist()
+
+    def _gather_with_joiners(self, values, group=None, on_engine=False):
+        """:meth:`_gather_ints`, with fault tolerance on the model's group also carrying rank 0's count of
+        workers waiting to join (so every member learns it at the same step and admits them after it);
+        returned without that column."""
+        if self._elastic is None or group is not None:
+            return self._gather_ints(values, group, on_engine)
+        rows = self._gather_ints([self._elastic.joiners_waiting()] + list(values), group, on_engine)
+        if any(row[0] for row in rows):
+            self._elastic.grow_after_step = True  # on every rank alike
+        return [row[1:] for row in rows]
+
+    def _step_count_check(self, _flat):
+        """Before any bucket travels: do all ranks enter this round at the same step count?"""
+        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], on_engine=True)],
+                          "nothing was exchanged")
+
+    def _check_steps(self, steps, what):
+        """Raise (``agreement.check``) unless every rank's step count in ``steps`` is the same."""
+        check(*steps_span(steps), lambda: self._out_of_step(steps, what))
+
+    def _out_of_step(self, steps, what):
+        """The error for ranks whose step counts differ, or None."""
+        lo, hi = steps_span(steps)
+        if lo == hi:
+            return None
+        by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+        return (f"bagua_lite: ranks are out of step: a synchronised backward started at different optimizer step "
+                f"counts ({by_rank}; this is rank {self.rank}). Every rank must call backward() and "
+                f"optimizer.step() the same number of times (a rank took an extra step or skipped one); {what} "
+                f"in this round")
+
+    def _agree_after_round(self, unused):
+        """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the
+        round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
+        DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
+        bad = self.algorithm.nonfinite_buckets
+        words = [_ALL_USED] * self._used_words  # bit set: used on this rank
+        for i in unused:
+            words[i // BITS] &= ~(1 << (i % BITS))
+        rows = self._gather_with_joiners([min(bad) if bad else -1, self.algorithm.step] + words)
+        firsts = [row[0] for row in rows]
+        msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
+        if msg:
+            self.algorithm.kept_state.roll_back()
+            self._failfast.announce(msg)  # the model is failed: forward() and optimizer.step() refuse
+            raise RuntimeError(msg)
+        if any(w != _ALL_USED for row in rows for w in row[2:]):  # some rank left some parameter out
+            used = [0] * self._used_words
+            for row in rows:
+                used = [a | b for a, b in zip(used, row[2:])]
+            for i, p in enumerate(self.params):
+                if not used[i // BITS] >> (i % BITS) & 1:
+                    p.grad = None
+        ranks = [r for r, b in enumerate(firsts) if b >= 0]
+        if not ranks:
+            self.algorithm.commit_round()
+            return
+        self.algorithm.kept_state.roll_back()
+        with torch.no_grad():
+            for b in self.buckets:
+                b.flat.fill_(float("nan"))
+        where = ", ".join(f"rank {r} (bucket {firsts[r]} first)" for r in ranks)
+        self._nonfinite_error = (
+            f"bagua_lite: non-finite gradient (inf or NaN) at step {self.algorithm.step} on {where}; every rank "
+            f"skipped this round: .grad is NaN on all ranks and {self.algorithm.name}'s state (residuals, "
+            f"momenta) is as before it. A loss scaler (torch.amp.GradScaler) skips such steps; without one, "
+            f"optimizer.step() refuses to apply it (this is rank {self.rank}). Look for what produced the "
+            f"inf/NaN: learning rate, loss, inputs")
+
+    def check_in_step(self, what: str, group=None) -> None:
+        """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
+        ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
+        collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
+        rows = self._gather_with_joiners([self.algorithm.step], group, on_engine=True)
+        self._check_steps([r[0] for r in rows], what)

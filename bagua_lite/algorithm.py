@@ -14,12 +14,16 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
             # ops run, in order, on the engine thread when the bucket's gradients are ready
             return [lambda flat: flat.mul_(2), self.native.AllreduceOp(self.process_group, average=True)]
 
-Hooks, in the order of one training step:
+The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
+``sync_gradients`` and ``after_step``) is what a relaxation usually writes.
+
+**Every algorithm: 28 names.** Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
 ``on_gradient(b, j, grad)`` as each gradient is ready: how it goes into its bucket (default: copied into
-                           the slot; ``grad`` may already be the slot, or None if it got no gradient)
+                           the slot with :meth:`fill`; ``grad`` may already be the slot, or None if it got no
+                           gradient)
 ``before_forward()``       at the start of every forward
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
 ``commit_round()``         after a synchronised backward, once the ranks agreed that every rank's gradient
@@ -30,39 +34,62 @@ Hooks, in the order of one training step:
                            ``optimizer.step()`` raises). It exists for what a copy back cannot express: state
                            that becomes current by a swap (Top-k's double-buffered residuals and momenta,
                            which a rollback would copy twice per step) and what a kept round hands to the
-                           optimizer step (which entries the sparse result wrote). A rank's own non-finite
-                           gradient is recorded by :meth:`Algorithm.fill` (or ``nonfinite_buckets.add``)
+                           optimizer step (which entries the sparse result wrote)
 ``before_step()``          inside every ``optimizer.step()``, before the optimizer's own update (after the
                            closure, if one was passed, ran its forward and backward)
-``after_step()``           after every ``optimizer.step()``; ``self.step`` counts completed steps
-``regroup()``              only with ``fault_tolerant=True``, after a peer was lost: the model runs on a new
-                           process group (its ``process_group``, ``rank``, ``world_size``) and the round in
-                           flight was discarded; forget transient per-round state (the framework then asks
-                           ``bucket_ops`` again). Algorithms that support it set ``supports_membership_change``;
-                           one that communicates in ``after_step`` sets ``heals_itself`` and brings the
-                           survivors together in ``heal()`` (a collective on the new group; DiLoCo's and
-                           decentralized's are examples), one whose replicas differ sets ``replicas_differ``
-                           (a joiner takes rank 0's weights, members keep theirs), and one with no
-                           collective of all ranks in its steps sets ``store_admission_margin``
-``peer_lost()``            only with ``fault_tolerant=True``, before a local step's forward: raise
-                           ``PeerFailedError`` if the algorithm's own thread lost a peer (async averaging)
+``after_step()``           after every ``optimizer.step()``; ``step`` counts completed steps
 ``close()``                by ``DistributedModel.close()``: finish or stop what the algorithm runs on its own
                            (an exchange in flight, a background thread)
-``state_dict()`` / ``load_state_dict()``  checkpointed state that is not a list of tensors (counters, an
-                           outer optimizer's state, a decision); tensors need only :meth:`register_state`
 
-Collectives an algorithm runs itself, outside the buckets (a periodic weight average, a wait for a peer
-exchange), go through ``self.model.run_collective("what", fn)``: ``fn()`` runs on the engine thread while
-the training thread waits with fail fast (a peer's failure raises ``PeerFailedError`` within a second,
-not after the process group's timeout); a hook that raises tells the peers this model failed.
-``asynchronous``           True for a relaxation whose ranks do not wait for each other every step
-                           (asynchronous model averaging): a benchmark must not synchronise its ranks
-                           per step to time it, and ranks may take different numbers of steps.
-``step_dependent_wire``    whether what the buckets send depends on the step count (a warm-up, a density
-                           schedule): then ranks compare step counts before any bucket travels
-``cycle``                  how many steps its communication pattern takes to repeat (1 for most; a
-                           periodic relaxation such as local SGD returns its period). Timing an average
-                           step means averaging over whole cycles; the benchmark does.
+State: ``step`` (completed optimizer steps); ``register_state(name, tensors, rollback=, shared=)`` (below:
+checkpointed, put back when a round is discarded); ``state_dict()`` / ``load_state_dict()`` for state that is
+not a list of tensors (counters, an outer optimizer's state, a decision); ``fill(bucket, j, grad, scale)``, the
+default ``on_gradient``'s copy that also records a non-finite gradient; ``native``, the C++ core's bucket ops.
+
+What it declares: ``asynchronous`` (ranks do not wait for each other every step: a benchmark must not
+synchronise them per step to time it, and ranks may take different numbers of steps);
+``step_dependent_wire`` (what the buckets send depends on the step count, a warm-up or a density schedule:
+ranks then compare step counts before any bucket travels); ``cycle`` (steps after which its communication
+pattern repeats: 1 for most, a periodic relaxation's period; the benchmark times whole cycles);
+``traffic(options, P, bucket_numels, ...)``, a classmethod describing what it moves, so that the cost model
+predicts it and auto can pick it.
+
+What it sees of the model (``model``): ``buckets``, ``params``, ``optimizer``, ``process_group``, ``rank``,
+``world_size`` (``process_group`` and ``world_size`` also on the algorithm), ``run_collective("what", fn)``
+and ``check_in_step(what)``. Collectives an algorithm runs itself, outside the buckets (a periodic weight
+average, a wait for a peer exchange), go through ``run_collective``: ``fn()`` runs on the engine thread while
+the training thread waits with fail fast (a peer's failure raises ``PeerFailedError`` within a second, not
+after the process group's timeout); a hook that raises tells the peers this model failed.
+``check_in_step`` raises on every rank unless all are at the same step count (ahead of a periodic average).
+
+**An algorithm with threads or control traffic of its own: 5 more**, on the model: ``wait_for(event)``,
+``check_peers()``, ``peer_failed()`` and ``fail(what)`` (a thread's wait that fails fast, a look for a peer's
+failure, telling the peers of one), and ``control_group`` (where small CPU messages go on an NCCL job).
+
+**One that runs another algorithm** (auto): ``model.switch_algorithm(algorithm)`` at a step boundary, and the
+classmethod ``predicted_as`` (the cost model predicts what it would run).
+
+**Fault tolerance, only for an algorithm that opts in** (``DistributedModel(..., fault_tolerant=True)``):
+
+``supports_membership_change``  True: it carries on when the group changes (refused otherwise)
+``regroup()``              after a peer was lost (or joiners were admitted): the model runs on a new process
+                           group and the round in flight was discarded; forget transient per-round state
+                           (the framework then asks ``bucket_ops`` again)
+``heals_itself``, ``heal()``  it communicates in ``after_step``: a peer lost there keeps the step's update,
+                           and ``heal()`` brings the survivors together (a collective on the new group;
+                           DiLoCo's and decentralized's are examples)
+``replicas_differ``        a joiner takes rank 0's weights while members keep theirs (decentralized)
+``store_admission_margin`` for one with no collective of all ranks in its steps: how far ahead of rank 0 the
+                           members admit joiners
+``admits_joiners``         False while joiners must wait (auto's probe)
+``peer_lost()``            before a local step's forward: raise ``PeerFailedError`` if its own thread lost a
+                           peer (async averaging)
+``shared_state_dict()`` / ``load_shared_state_dict()``  what a joiner takes from rank 0 (default: ``step`` and
+                           the state registered with ``shared=True``)
+``model.membership``       the membership as such an algorithm sees it
+                           (:class:`bagua_lite.elastic.MembershipView`: joining, generation, member id, a
+                           step being discarded, gather_ints, share_state, admitting joiners); None without
+                           fault tolerance
 """
 import functools
 import inspect
@@ -72,6 +99,7 @@ from typing import Dict, List, Type
 import torch
 
 from . import _C
+from .kept_state import KeptState
 
 _REGISTRY: Dict[str, Type["Algorithm"]] = {}
 MAX_INT_OPTION = 2 ** 31  # a period or step count beyond this is a typo (and overflows int32 counters)
@@ -84,6 +112,9 @@ class Algorithm:
     name: str = "algorithm"
     #: ranks do not wait for each other every step (see the module docstring)
     asynchronous: bool = False
+
+    # ---- fault tolerance: only for an algorithm that opts in (supports_membership_change); it sees the
+    # membership through ``self.model.membership`` (bagua_lite.elastic.MembershipView), None otherwise ----
     #: can carry on with the survivors when a peer is lost (``DistributedModel(..., fault_tolerant=True)``):
     #: its per-rank state stays consistent when the group shrinks, and :meth:`regroup` forgets the rest
     supports_membership_change: bool = False
@@ -95,14 +126,19 @@ class Algorithm:
     #: step count the members admit joiners, more than any member can be ahead of rank 0 (each learns the
     #: admission step from the store, which it looks at once per step); None: admitted by the agreement
     store_admission_margin = None
+    #: communicates in ``after_step`` (local SGD, DiLoCo, decentralized): a peer lost there keeps that step's
+    #: update and the survivors are brought together by :meth:`heal` instead of discarding a round
+    heals_itself: bool = False
+    #: whether workers waiting to join may be admitted now (auto says no while it probes)
+    admits_joiners: bool = True
 
     def __init__(self):
         self.step = 0
         self.model = None
         #: buckets whose incoming gradient held inf/NaN on this rank in the current round
         self.nonfinite_buckets = set()
-        self._kept = {}  # register_state: name -> (tensors, their backups or None)
-        self._shared = set()  # register_state(shared=True): the same on every rank (a joiner copies it)
+        #: what :meth:`register_state` declared (the framework's side of it: rollback, snapshots)
+        self.kept_state = KeptState()
 
     def __init_subclass__(cls, **kwargs):
         """Record the options of every instance, however it is made (``build(...)`` or ``GTopK(...)``), so
@@ -200,6 +236,11 @@ class Algorithm:
         flight was discarded (``register_state(..., rollback=True)`` tensors already put back, buckets
         zeroed). Forget what the discarded round left half-done; ``bucket_ops`` is asked again after this."""
 
+    def heal(self) -> None:
+        """With ``fault_tolerant=True`` and ``heals_itself``: after a lost peer, on the survivors' new group (a
+        collective of theirs), bring their state together (the survivors may be a step or an exchange apart)."""
+        raise NotImplementedError(f"{type(self).__qualname__} sets heals_itself but defines no heal()")
+
     def peer_lost(self) -> None:
         """With ``fault_tolerant=True``, before the forward of a step whose backward runs no collective (a
         local step): raise ``PeerFailedError`` if the algorithm's own communication (a background thread's)
@@ -222,51 +263,35 @@ class Algorithm:
         tensors = list(tensors)
         if not all(isinstance(t, torch.Tensor) for t in tensors):
             raise TypeError(f"{self.name}: register_state({name!r}) takes a list of tensors")
-        self._kept[name] = (tensors, [torch.empty_like(t) for t in tensors] if rollback else None)
-        if shared:
-            self._shared.add(name)
-        else:
-            self._shared.discard(name)
-
-    def _begin_round(self) -> None:
-        for tensors, backups in self._kept.values():
-            if backups is not None:
-                for b, t in zip(backups, tensors):
-                    b.copy_(t)
-
-    def _roll_back(self) -> None:
-        for tensors, backups in self._kept.values():
-            if backups is not None:
-                for b, t in zip(backups, tensors):
-                    t.copy_(b)
+        self.kept_state.add(name, tensors, rollback, shared)
 
     def state_dict(self) -> dict:
         """The step count and every :meth:`register_state` tensor (copies)."""
         state = {"step": self.step}
-        for name, (tensors, _) in self._kept.items():
+        for name, tensors in self.kept_state.items():
             state[name] = [t.clone() for t in tensors]
         return state
 
     def shared_state_dict(self) -> dict:
         """What a worker joining a fault-tolerant job takes from a peer: the step count and the state
         registered with ``shared=True``."""
-        return {"step": self.step, **{n: self._kept[n][0] for n in sorted(self._shared)}}
+        return {"step": self.step, **{n: self.kept_state.tensors(n) for n in self.kept_state.shared()}}
 
     def load_shared_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
-        for name in sorted(self._shared):
-            for t, s in zip(self._kept[name][0], state[name]):
+        for name in self.kept_state.shared():
+            for t, s in zip(self.kept_state.tensors(name), state[name]):
                 t.copy_(s)
 
     def load_state_dict(self, state: dict) -> None:
         """The step count and every :meth:`register_state` tensor, checked before anything is copied."""
-        for name, (tensors, _) in self._kept.items():
+        for name, tensors in self.kept_state.items():
             saved = state.get(name)
             if saved is None or len(saved) != len(tensors) or any(t.shape != s.shape for t, s in zip(tensors, saved)):
                 raise ValueError(f"{self.name}: the saved state has no {name!r} of {len(tensors)} tensors shaped "
                                  f"as this model's (saved for another model or other options?)")
         self.step = int(state["step"])
-        for name, (tensors, _) in self._kept.items():
+        for name, tensors in self.kept_state.items():
             for t, s in zip(tensors, state[name]):
                 t.copy_(s)
 
@@ -282,7 +307,6 @@ class Algorithm:
     @property
     def native(self):
         """The C++ core's native bucket ops (``AllreduceOp``, ``CompressedAllreduceOp``): GIL-free on the engine."""
-        from . import _C
         return _C
 
     @classmethod
@@ -295,6 +319,14 @@ class Algorithm:
         describes its traffic is predicted, compared in the benchmark and can be one of auto's candidates.
         Not described by default (the cost model then says it cannot predict it)."""
         raise NotImplementedError(f"{cls.name} does not describe its traffic")
+
+    @classmethod
+    def predicted_as(cls, options: dict, P: int, work, net, machine):
+        """For an algorithm that runs another one it picks (auto): ``(name, options, extra)`` of the one it
+        would run with these ``options`` on ``P`` ranks under this ``work``, ``net`` and ``machine``, which
+        the cost model predicts instead (``extra`` joins the prediction; an ``efficiency`` there also gives
+        ``weighted_s``). None (the default): predicted from :meth:`traffic`."""
+        return None
 
     def options(self) -> dict:
         """The options this instance was built with (used to check all ranks run the same config)."""
@@ -339,6 +371,11 @@ def register(name: str):
 
 def registered() -> List[str]:
     return sorted(_REGISTRY)
+
+
+def registered_class(name: str):
+    """The class registered as ``name``, or None."""
+    return _REGISTRY.get(name)
 
 
 def option_names(cls) -> List[str]:

@@ -27,23 +27,25 @@ def _file(path, rank):
     return os.path.join(path, f"rank{rank}.pt")
 
 
-def _meta(model):
+def model_meta(model):
+    """What a checkpoint must match to be loaded into ``model``: world size, algorithm, options, bucket layout."""
     alg = model.configured_algorithm  # auto, not its pick: a resumed auto switches to the same pick
     return {"world_size": model.world_size, "algorithm": alg.name, "options": repr(sorted(alg.options().items())),
             "buckets": [[b.numel, str(b.dtype)] for b in model.buckets]}
 
 
-def _has_tensors(obj):
+def has_tensors(obj):
+    """Whether ``obj`` (a state dict, possibly nested in dicts, lists and tuples) holds any tensor."""
     if isinstance(obj, torch.Tensor):
         return True
     if isinstance(obj, dict):
-        return any(_has_tensors(v) for v in obj.values())
+        return any(has_tensors(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_has_tensors(v) for v in obj)
+        return any(has_tensors(v) for v in obj)
     return False
 
 
-def _all_ok(model, error):
+def failed_ranks(model, error):
     """Every rank learns whether any rank failed; returns the failed ranks (an empty list: none)."""
     flags = torch.zeros(model.world_size, dtype=torch.int64)
     flags[model.rank] = int(error is not None)
@@ -57,7 +59,7 @@ def save_checkpoint(path, model, optimizer, **extra):
     error = None
     try:
         os.makedirs(path, exist_ok=True)
-        state = {"format": FORMAT, "rank": model.rank, "meta": _meta(model), "module": model.module.state_dict(),
+        state = {"format": FORMAT, "rank": model.rank, "meta": model_meta(model), "module": model.module.state_dict(),
                  "optimizer": optimizer.state_dict(), "algorithm": model.algorithm_state_dict(),
                  "rng": torch.get_rng_state(), "extra": extra}
         final = _file(path, model.rank)
@@ -69,13 +71,14 @@ def save_checkpoint(path, model, optimizer, **extra):
         os.replace(tmp, final)
     except Exception as e:  # noqa: BLE001  (reported on every rank below)
         error = e
-    failed = _all_ok(model, error)
+    failed = failed_ranks(model, error)
     if failed:
         raise RuntimeError(f"save_checkpoint({path!r}): failed on rank(s) {failed}"
                            + (f"; here: {type(error).__name__}: {error}" if error is not None else "")) from error
 
 
-def _differences(saved, now):
+def meta_differences(saved, now):
+    """What differs between two :func:`model_meta` (saved, now), one line each; an empty list: they match."""
     out = []
     for key, what in (("world_size", "world size"), ("algorithm", "algorithm"), ("options", "algorithm options"),
                       ("buckets", "bucket layout (bucket sizes and dtypes)")):
@@ -93,15 +96,15 @@ def load_checkpoint(path, model, optimizer):
     with. Raises ValueError naming what differs (world size, algorithm, options, bucket layout)."""
     error, state = None, None
     try:
-        now = _meta(model)
+        now = model_meta(model)
         own = _file(path, model.rank)
         if not os.path.exists(own) and not os.path.exists(_file(path, 0)):
             raise FileNotFoundError(f"no checkpoint for rank {model.rank} in {path!r} (expected {own})")
         state = torch.load(own if os.path.exists(own) else _file(path, 0), map_location="cpu", weights_only=False)
         if state.get("format") != FORMAT:
             raise ValueError(f"{path!r} is not a bagua_lite checkpoint of format {FORMAT}")
-        diffs = _differences(state["meta"], now)
-        stateless = not _has_tensors(state["algorithm"])
+        diffs = meta_differences(state["meta"], now)
+        stateless = not has_tensors(state["algorithm"])
         only_world_size = diffs and all(d.startswith("world size") for d in diffs)
         if only_world_size and stateless:
             if state["rank"] != 0:
@@ -117,7 +120,7 @@ def load_checkpoint(path, model, optimizer):
                              f"{model.rank}'s (every rank resumes from its own file)")
     except Exception as e:  # noqa: BLE001
         error = e
-    failed = _all_ok(model, error)
+    failed = failed_ranks(model, error)
     if failed:
         if isinstance(error, ValueError):
             raise error

@@ -65,7 +65,7 @@ def _unknown(kind, key, allowed):
 
 
 def config_from_dict(data, source="<dict>") -> Config:
-    from . import algorithms  # noqa: F401  (registers the built-ins)
+    from . import algorithms  # noqa: F401  (registers the built-ins; at use: they import this package)
 
     if not isinstance(data, dict):
         raise ValueError(f"config {source}: expected a mapping at the top level, got {type(data).__name__}")

@@ -17,6 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
+import bagua_lite
+
 from .bench.config import optimizer_momentum
 from .bench.data import digits_shards
 from .bench.zoo import make_mlp
@@ -46,7 +48,6 @@ def train_digits(cfg, epochs=20, batch_size=16, lr=0.05, momentum=0.9, schedule=
     converged one rather than a noisy sample (constant lr moves held-out accuracy by +-2 points between
     neighbouring epochs on this 360-sample test set).
     """
-    import bagua_lite
 
     if schedule not in ("cosine", "constant"):
         raise ValueError(f"train_digits: schedule must be 'cosine' or 'constant', got {schedule!r}")
@@ -90,7 +91,6 @@ def train_digits(cfg, epochs=20, batch_size=16, lr=0.05, momentum=0.9, schedule=
 
 def _worker(rank, world_size, init_file, config_paths, epochs, out):
     torch.set_num_threads(1)
-    import bagua_lite
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
@@ -125,7 +125,6 @@ def main(argv=None):
     ap.add_argument("--world-size", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=20)
     args = ap.parse_args(argv)
-    import bagua_lite
 
     paths = args.configs or digits_configs()
     if not paths:

@@ -1,132 +1,78 @@
-"""DistributedModel: the training wrapper and its bucketing scheduler.
+"""DistributedModel: the training wrapper. One step reads top to bottom across its parts (see DESIGN.md):
 
-One step, as data (see DESIGN.md):
-1. ``forward``: ``algorithm.before_forward()``, then the wrapped module.
-2. ``backward``: each parameter's post-accumulate-grad hook makes ``.grad`` a view of its bucket slot
-   and marks it ready. The moment the *next bucket in order* is complete it is handed to the C++ engine,
-   whose worker thread runs that bucket's ops while autograd goes on with earlier layers.
-3. end of backward (an autograd engine callback): buckets not yet handed over (parameters that got no
-   gradient this step are zero-filled) are submitted, the scheduler waits for the engine, results are
-   in ``.grad``; the ranks agree (one tiny all_gather) whether any rank's gradient held inf/NaN: if not,
-   ``algorithm.commit_round()``; if so, the algorithm's ``register_state(..., rollback=True)`` tensors are
-   put back as they were before the round and every rank's ``.grad`` becomes NaN (a loss scaler skips
-   the step; without one ``optimizer.step()`` raises, naming the ranks).
-4. ``optimizer.step()``: a closure's forward and backward first, then ``algorithm.before_step()``, the
-   optimizer's update, ``algorithm.after_step()`` (the model's own step hooks: no algorithm has any).
-The agreement after the buckets also carries every rank's step count, so a rank that took a step more or
-fewer than the others is reported on every rank before anything is applied; where message sizes depend
-on the step (``algorithm.step_dependent_wire``), a synchronised backward also starts with that check,
-before any bucket travels.
-Buckets are submitted in one fixed order on every rank, so collectives always match across ranks.
+1. ``forward`` (here): buffers broadcast, fault tolerance's look at the store, ``algorithm.before_forward()``,
+   then the wrapped module; the end-of-backward callback is armed when backward reaches the output.
+2. ``backward`` (:mod:`bagua_lite.scheduler`): each ready gradient into its bucket, buckets to the engine in
+   one fixed order, the wait for them at the end of backward.
+3. the agreement (:mod:`bagua_lite.agreement`): step counts, non-finite gradients and unused parameters,
+   committed or discarded on every rank alike.
+4. ``optimizer.step()`` (:mod:`bagua_lite.step_hooks`): a closure, the refusals, ``algorithm.before_step()``,
+   the optimizer's update, ``algorithm.after_step()``.
+Around them: what algorithms call (:mod:`bagua_lite.services`), joiners' admission
+(:mod:`bagua_lite.admission`), the DDP type (:mod:`bagua_lite._ddp_type`), membership (:mod:`bagua_lite.elastic`).
 """
 import contextlib
 import functools
-import hashlib
-import json
 import math
-import time
-import weakref
 from typing import Union
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import get_gradient_edge
-from torch.nn.parallel import DistributedDataParallel
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import _C, _compat, _control, agreement, comm, launch, runtime
+from . import _C, _control, agreement, comm, elastic, launch, runtime, step_hooks
+from ._ddp_type import DDPType
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
-from . import elastic
+from .admission import Admission, check_fault_tolerant, join_running_job
+from .agreement import RoundAgreement
 from .algorithm import Algorithm, build
 from .bucket import Bucket, plan_buckets, plan_model_buckets
+from .scheduler import Scheduler
+from .services import Services
+from .step_hooks import StepHooks
 
 
-_BITS = 62  # parameters per int64 word of the used-parameter bitmap
-_ALL_USED = (1 << _BITS) - 1
+class _Port:
+    """What fault tolerance (:class:`bagua_lite.elastic.Controller`) may change of a model, lent to it by the
+    model: its engine, its fail-fast key, its group, a discarded round, and the collectives of a recovery or
+    an admission. The controller reads the rest through the model's public members."""
+
+    def __init__(self, model, gather_ints, share_state, admit):
+        self._model = model
+        #: every rank's list of ints (the step agreement's all_gather); rank src's state to every rank; a
+        #: member's side of admitting joiners once the new generation's group is formed
+        self.gather_ints, self.share_state, self.admit = gather_ints, share_state, admit
+
+    @property
+    def failfast(self):
+        return self._model._failfast
+
+    @failfast.setter
+    def failfast(self, failfast):
+        self._model._failfast = failfast
+
+    def renew_engine(self):
+        """A new engine; the old one, whose worker may sit in a collective with a lost peer, abandoned."""
+        m = self._model
+        if not m._engine_abandoned:
+            m._engine.abandon()
+        m._engine, m._engine_abandoned = _C.Engine(), False
+
+    def discard_round(self):
+        """The round in flight discarded: the algorithm's rollback state put back, the buckets zeroed."""
+        m = self._model
+        m.algorithm.kept_state.roll_back()
+        with torch.no_grad():
+            for b in m.buckets:
+                b.flat.zero_()
+
+    def use_group(self, group):
+        m = self._model
+        m.process_group, m.rank, m.world_size = group, group.rank(), group.size()
 
 
-def _config_digest(algorithm: Algorithm, bucket_size_mb: float) -> int:
-    text = json.dumps({"algorithm": algorithm.name, "options": algorithm.options(), "bucket_size_mb": bucket_size_mb},
-                      sort_keys=True, default=repr)
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
-
-_LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
-_FOREIGN_HOOK = []
-
-
-def _refuse_foreign_step(optimizer, args, kwargs):
-    """A global optimizer step pre-hook: an optimizer other than a live model's own that would step that
-    model's parameters is refused, since the model's step accounting, refusals and algorithm hooks ride on
-    its own optimizer (a second optimizer's step would apply gradients no algorithm saw through)."""
-    for model in list(_LIVE):
-        if optimizer is model.optimizer:
-            continue
-        mine = model._param_ids
-        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
-            raise RuntimeError(
-                f"bagua_lite: a {type(optimizer).__name__} steps parameters of a DistributedModel built with "
-                f"another optimizer ({type(model.optimizer).__name__}); a DistributedModel takes one optimizer "
-                f"for all its parameters: give it one optimizer with several param groups")
-
-
-def _take_closure(optimizer, args, kwargs):
-    """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call; ``args[0]`` is the
-    optimizer itself (as torch hands them to a step pre-hook)."""
-    if kwargs.get("closure") is not None:
-        kwargs = dict(kwargs)
-        return kwargs.pop("closure"), args, kwargs
-    if len(args) > 1 and callable(args[1]):
-        return args[1], args[:1] + tuple(args[2:]), kwargs
-    return None, args, kwargs
-
-
-def _digest(obj) -> int:
-    return int.from_bytes(hashlib.sha256(json.dumps(obj).encode()).digest()[:7], "little")
-
-
-def _check_fault_tolerant(algorithm, min_workers, callback, window, world_size, heartbeat):
-    """``fault_tolerant=True``'s arguments, refused before any traffic (the same on every rank)."""
-    if not getattr(algorithm, "supports_membership_change", False):
-        raise ValueError(
-            f"DistributedModel: fault_tolerant=True needs an algorithm that carries on when the membership "
-            f"changes (Algorithm.supports_membership_change): every built-in one does, with any options "
-            f"(gradient_allreduce, topk, gtopk, powersgd, qadam, local_sgd, diloco, decentralized, "
-            f"low_precision_decentralized, async_model_average, and auto when each of its candidates does); "
-            f"got {algorithm.name} ({algorithm!r}), which does not say it does (docs/fault_tolerance.md: what an "
-            f"algorithm of one's own needs)")
-    top = world_size if world_size is not None else float("inf")  # a joiner does not know the size yet
-    if not isinstance(min_workers, int) or isinstance(min_workers, bool) or not 1 <= min_workers <= top:
-        raise ValueError(f"DistributedModel: min_workers must be an int in [1, world size {world_size}], "
-                         f"got {min_workers!r}")
-    if callback is not None and not callable(callback):
-        raise TypeError(f"DistributedModel: on_membership_change must be callable(old_world_size, "
-                        f"new_world_size), got {type(callback).__name__}")
-    if not isinstance(window, (int, float)) or isinstance(window, bool) or not 0 < window < 3600:
-        raise ValueError(f"DistributedModel: rejoin_window_s must be a number of seconds in (0, 3600), got "
-                         f"{window!r}")
-    if not isinstance(heartbeat, (int, float)) or isinstance(heartbeat, bool) or not 1 <= heartbeat <= 86400:
-        raise ValueError(f"DistributedModel: heartbeat_timeout_s must be a number of seconds in [1, 86400] (at "
-                         f"least two heartbeats of {elastic.HEARTBEAT_S} s), got {heartbeat!r}")
-
-
-def _ddp_only(what: str, instead: str):
-    """A DDP member that needs DDP's own machinery (its C++ reducer), which a DistributedModel does not
-    have: refused on use with what to do instead."""
-    def refuse(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"bagua_lite.DistributedModel is a DistributedDataParallel in type only (so that tools which unwrap "
-            f"DDP reach its module); it has no DDP reducer, so DDP's {what} does not apply: {instead}")
-    return refuse
-
-
-def _ddp_only_attribute(name: str, instead: str) -> property:
-    refuse = _ddp_only(name, instead)
-    return property(refuse, refuse)
-
-
-class DistributedModel(DistributedDataParallel):
+class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission, DDPType):
     """Wrap ``module`` and its ``optimizer`` for data-parallel training with a bagua_lite algorithm.
 
     ``algorithm`` is an :class:`Algorithm` instance or a registered name. ``bucket_size_mb`` caps a
@@ -176,31 +122,6 @@ class DistributedModel(DistributedDataParallel):
             loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
     """
 
-    # DDP's members over its reducer and join machinery; the nn.Module ones DDP overrides are put back.
-    reducer = _ddp_only_attribute("reducer", "bagua_lite's buckets live in the C++ engine")
-    require_backward_grad_sync = _ddp_only_attribute(
-        "require_backward_grad_sync", "use model.no_sync() around the forward and backward that must not sync "
-        "(Accelerate: accelerator.no_sync / accumulate; trigger_sync_in_backward is not supported)")
-    require_forward_param_sync = _ddp_only_attribute("require_forward_param_sync", "use model.no_sync()")
-    register_comm_hook = _ddp_only(
-        "register_comm_hook", "pick the compression with the algorithm (algorithm=..., compression=...), or "
-        "use bagua_lite.hooks on a torch DDP model")
-    join = _ddp_only("join", "uneven inputs are not supported; give every rank the same number of batches")
-    join_hook = _ddp_only("join_hook", "uneven inputs are not supported")
-    join_device = _ddp_only_attribute("join_device", "uneven inputs are not supported")
-    join_process_group = _ddp_only_attribute("join_process_group", "uneven inputs are not supported")
-    _distributed_rank = _ddp_only_attribute("_distributed_rank", "use model.rank")
-    scatter = _ddp_only("scatter", "inputs are not scattered: each process feeds its own batch")
-    gather = _ddp_only("gather", "outputs are not gathered: each process keeps its own")
-    to_kwargs = _ddp_only("to_kwargs", "inputs are not scattered: each process feeds its own batch")
-    will_sync_module_buffers = _ddp_only("will_sync_module_buffers", "read model.broadcast_buffers")
-    _get_ddp_logging_data = _ddp_only("_get_ddp_logging_data", "read model.timings")
-    _set_static_graph = _ddp_only("_set_static_graph", "bagua_lite needs no static graph")
-    static_graph = False  # read by Lightning through getattr; bagua_lite's graph may change every step
-    broadcast_buffers = True  # a plain attribute here (a read-only property on DDP); set in __init__
-    train = torch.nn.Module.train
-    __getstate__ = torch.nn.Module.__getstate__
-    __setstate__ = torch.nn.Module.__setstate__
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
@@ -211,7 +132,7 @@ class DistributedModel(DistributedDataParallel):
         self._backward_active = False
         self.grad_scaler = grad_scaler  # checked before any traffic
         if isinstance(algorithm, str):
-            from . import algorithms  # noqa: F401  (registers the built-ins)
+            from . import algorithms  # noqa: F401  (registers the built-ins; at use: they import this package)
             algorithm = build(algorithm)
         if not isinstance(algorithm, Algorithm):
             raise TypeError(f"DistributedModel: algorithm must be a bagua_lite.Algorithm or a registered name, "
@@ -236,21 +157,10 @@ class DistributedModel(DistributedDataParallel):
         self.optimizer = optimizer
         self.algorithm = algorithm
         self.bucket_size_mb = float(bucket_size_mb)
-        membership = None  # a joiner's: it waits here to be admitted into the running job
-        joining = launch._JOIN.get("store")  # set by bagua_lite.init_process_group when a job already runs
-        if joining is not None:
-            if fault_tolerant is not True or group is not None:
-                raise RuntimeError(
-                    "DistributedModel: this process joins a running fault-tolerant job (bagua_lite.init_process_group"
-                    "() found it in the store and made no process group): build the model with fault_tolerant=True "
-                    "and no group=, as the job's other workers did")
-            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, None,
-                                  heartbeat_timeout_s)
-            membership = elastic.wait_for_admission(joining, rejoin_window_s)
-            elastic.reform(joining, membership.generation, membership.members, membership.me,
-                           *launch._JOIN["group"], watch=elastic.PulseWatch(
-                               membership.heartbeat.store, membership.members, membership.me, heartbeat_timeout_s))
-            broadcast_parameters = True  # the members send theirs (DistributedModel._admit)
+        # a joiner's membership: it waits here to be admitted into the running job, whose state it then receives
+        membership = join_running_job(algorithm, group, fault_tolerant, min_workers, on_membership_change,
+                                      rejoin_window_s, heartbeat_timeout_s)
+        broadcast_parameters = broadcast_parameters or membership is not None
         self.process_group = resolve_group(group, "DistributedModel")
         self.rank = self.process_group.rank()
         self.world_size = self.process_group.size()
@@ -263,7 +173,7 @@ class DistributedModel(DistributedDataParallel):
                              f"\"cpu:gloo,cuda:nccl\") (BAGUA_LITE_CONTROL_GROUP must not be 'side')")
         _control.setup(self.process_group)  # the group this model's control traffic takes (control_group)
         if fault_tolerant:
-            _check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size,
+            check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size,
                                   heartbeat_timeout_s)
 
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -280,7 +190,7 @@ class DistributedModel(DistributedDataParallel):
             runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_model_buckets(module, self.bucket_size_mb))]
         self._index = {p: i for i, p in enumerate(self.params)}
-        self._used_words = max(1, -(-len(self.params) // _BITS))
+        self._used_words = max(1, -(-len(self.params) // agreement.BITS))
         self._slot = {}  # param -> (bucket index, position)
         for b in self.buckets:
             for j, p in enumerate(b.params):
@@ -292,8 +202,12 @@ class DistributedModel(DistributedDataParallel):
             if self._failfast.store is None:
                 raise ValueError("DistributedModel: fault_tolerant=True needs the rendezvous store of the default "
                                  "process group (init it with a store, torchrun's or an init_method)")
-            self._elastic = elastic.Controller(self, min_workers, on_membership_change, rejoin_window_s, membership,
-                                               heartbeat_timeout_s)
+            port = _Port(self, self._gather_ints, self._share_state, functools.partial(self._admit, joining=False))
+            self._elastic = elastic.Controller(self, port, min_workers, on_membership_change, rejoin_window_s,
+                                               membership, heartbeat_timeout_s)
+        #: with ``fault_tolerant=True``, what an algorithm that opts in sees of the membership
+        #: (:class:`bagua_lite.elastic.MembershipView`); None otherwise
+        self.membership = elastic.MembershipView(self._elastic) if fault_tolerant else None
         self._no_tensor = torch.empty(0)
         self._engine_abandoned = False
         self._nonfinite_error = None
@@ -314,53 +228,15 @@ class DistributedModel(DistributedDataParallel):
                        optimizer.register_step_post_hook(lambda *_: self._after_step())]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._param_ids = {id(p) for p in module.parameters()}
-        if not _FOREIGN_HOOK:
-            _FOREIGN_HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_step))
-        _LIVE.add(self)
+        step_hooks.watch_foreign_steps(self)
         self.algorithm = algorithm
         self._install(algorithm)
         if membership is not None:
             self._admit(joining=True)
-            launch._JOIN.clear()
+            launch.joined()
             if on_membership_change is not None:
                 on_membership_change(len(membership.read(membership.generation - 1)), self.world_size)
 
-    def _admit(self, joining: bool):
-        """Fault tolerance, a joiner admitted (generation just formed): what a joiner's constructor sends
-        and receives, mirrored on every member, in the constructor's order: the config check, rank 0's
-        parameters and buffers, the algorithm's set-up on the new group (``init`` on the joiner, ``regroup``
-        on the members: it may make process groups), then the optimizer's state and the algorithm's shared
-        state, which a joiner loads."""
-        if not joining:
-            self._check_same_config()
-            self._share_weights(0, keep_own=self.algorithm.replicas_differ)
-            if self.configured_algorithm is not self.algorithm:  # auto's pick: a joiner's auto takes it in init
-                box = [self.configured_algorithm.state_dict() if self.rank == 0 else None]
-                dist.broadcast_object_list(box, group_src=0, group=self.control_group)
-            self.algorithm.regroup()
-            for b in self.buckets:
-                b.ops = list(self.algorithm.bucket_ops(b))
-        self._share_state(0, receive=joining, weights=False)
-
-    def _share_weights(self, src: int, keep_own: bool = False):
-        """Rank ``src``'s parameters and buffers to every rank (a collective); ``keep_own``: this rank
-        receives them into scratch copies and keeps its own (replicas that differ by design)."""
-        with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data.clone() if keep_own and self.rank != src else t.data, src,
-                               self.process_group)
-
-    def _share_state(self, src: int, receive: bool, weights: bool = True):
-        """Rank ``src``'s parameters and buffers (``weights``), optimizer state and algorithm shared state to
-        every rank (a collective); ``receive``: this rank loads the latter two (a joiner, a survivor behind)."""
-        if weights:
-            self._share_weights(src)
-        state = {"optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.shared_state_dict()} \
-            if self.rank == src else None
-        state = elastic.broadcast_state(state, self.process_group, src)
-        if receive:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.algorithm.load_shared_state_dict(state["algorithm"])
 
     def _install(self, algorithm):
         algorithm.model = self
@@ -429,14 +305,6 @@ class DistributedModel(DistributedDataParallel):
                 self._elastic.look_for_admission(margin)
         self._algorithm_hook(self.algorithm.before_forward)
 
-    @torch.compiler.disable
-    def _post_forward(self, out):
-        if torch.is_grad_enabled() and self._sync_enabled:
-            # Arm the end-of-backward callback as soon as backward reaches the output, so a rank whose
-            # parameters get no gradient at all still runs every bucket (and its peers do not hang).
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(self._on_output_grad, node=t.grad_fn))
 
     def _sync_buffers(self):
         """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) to every rank
@@ -452,35 +320,6 @@ class DistributedModel(DistributedDataParallel):
                 for b, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                     b.copy_(synced)
 
-    def _on_output_grad(self, grad, node=None):
-        if self._elastic is not None and self._elastic.pending is not None:
-            return grad  # a discarded step (a peer was lost in its forward): nothing travels
-        if self._sync_enabled and self.algorithm.sync_gradients() and self._accumulates(node):
-            self._start_backward()
-        return grad
-
-    def _accumulates(self, node) -> bool:
-        """False during ``torch.autograd.grad`` (gradient penalties, saliency) and ``backward(inputs=...)``
-        that leaves our parameters out: like DDP they start no communication round and leave ``.grad``
-        alone. A ``backward()`` starts one, even when none of this rank's parameters takes part in it (they
-        contribute zeros, so the peers' collectives complete)."""
-        try:
-            if any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in self.params):
-                return True
-        except RuntimeError:  # torch refuses to answer for a leaf during autograd.grad()
-            return False
-        # No parameter accumulates: either none is in this graph (a backward() this rank's parameters sit
-        # out: run the round) or the backward skips them (autograd.grad w.r.t. inputs: do not).
-        mine, seen, stack = {id(p) for p in self.params}, set(), [node]
-        while stack:
-            n = stack.pop()
-            if n is None or n in seen:
-                continue
-            seen.add(n)
-            if id(getattr(n, "variable", None)) in mine:
-                return False
-            stack.extend(f for f, _ in n.next_functions)
-        return True
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -497,7 +336,7 @@ class DistributedModel(DistributedDataParallel):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        _LIVE.discard(self)
+        step_hooks.forget(self)
         try:
             self.algorithm.close()  # first: it may still take part in an admission (async_model_average)
         finally:
@@ -536,365 +375,23 @@ class DistributedModel(DistributedDataParallel):
             raise RuntimeError("DistributedModel: grad_scaler set inside a backward; set it between steps")
         self._grad_scaler = scaler
 
+    def engine_stats(self, reset: bool = False) -> dict:
+        """The engine thread's counters since the last reset (``busy_seconds``: time it ran ops), as the
+        benchmark reads them; ``reset``: zero them after reading."""
+        stats = self._engine.stats()
+        if reset:
+            self._engine.reset_stats()
+        return stats
+
     @property
     def control_group(self):
         """The group that carries this model's control traffic: the model's group, or the gloo group made
         beside an NCCL one (``bagua_lite._control``)."""
         return _control.of(self.process_group)
 
-    # ---- set-up checks ---------------------------------------------------------------------------------
-    def _check_same_config(self):
-        """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
-        shapes, dtypes, requires_grad, as DDP checks). A mismatch raises on every rank, naming the ranks
-        (and, for the layout, the first differing parameter) before any collective that could abort."""
-        layout = [(name, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
-                  for name, p in self.module.named_parameters()]
-        configured = getattr(self, "configured_algorithm", self.algorithm)  # auto, also once it picked
-        mine = torch.tensor([_config_digest(configured, self.bucket_size_mb), _digest(layout)], dtype=torch.int64)
-        everyone = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self.control_group)
-        differ = [r for r, d in enumerate(everyone) if int(d[0]) != int(everyone[0][0])]
-        if differ:
-            raise ValueError(f"DistributedModel: ranks were started with different configurations: rank(s) "
-                             f"{differ} differ from rank 0 (this is rank {self.rank}, running "
-                             f"{configured!r}, bucket_size_mb={self.bucket_size_mb})")
-        differ = [r for r, d in enumerate(everyone) if int(d[1]) != int(everyone[0][1])]
-        if differ:
-            layouts = [None] * self.world_size
-            dist.all_gather_object(layouts, layout, group=self.control_group)
-            r, ref, other = differ[0], layouts[0], layouts[differ[0]]
-            i = next((i for i, (a, b) in enumerate(zip(ref, other)) if a != b), min(len(ref), len(other)))
-            what = lambda entry: ("no parameter" if entry is None else  # noqa: E731
-                                  f"{entry[0]!r} shape {list(entry[1])} {entry[2]} requires_grad={entry[3]}")
-            raise ValueError(
-                f"DistributedModel: the model differs across ranks: rank(s) {differ} differ from rank 0 "
-                f"(this is rank {self.rank}); first difference, parameter #{i}: rank 0 has "
-                f"{what(ref[i] if i < len(ref) else None)}, rank {r} has {what(other[i] if i < len(other) else None)}. "
-                f"Every rank must build the same model and freeze the same parameters")
 
-    # ---- the scheduler -----------------------------------------------------------------------------------
-    def _on_grad_ready(self, p):
-        if self._elastic is not None and self._elastic.pending is not None:
-            return  # a discarded step (a peer was lost in its forward): nothing travels
-        if not self._sync_enabled:
-            if not self._unsynced and self.algorithm.sync_gradients():
-                self._unsynced = True
-            return
-        if not self.algorithm.sync_gradients():
-            # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
-            if self._local_bad is None and p.grad is not None and not _C.all_finite(p.grad):
-                self._local_bad = p
-            return
-        self._start_backward()
-        bi, j = self._slot[p]
-        self._hand_over(self.buckets[bi], j, p)
-        if not self._marked[bi][j]:
-            self._marked[bi][j] = True
-            self._ready[bi] += 1
-        self._submit_ready()
 
-    def _start_backward(self):
-        if not self._backward_active:
-            if self.algorithm.step_dependent_wire:
-                # Sizes depend on the step: check it on the engine ahead of bucket 0, overlapped with
-                # backward. Otherwise the step count rides in the agreement after the buckets.
-                self._engine.submit(-1, self._no_tensor, [self._step_count_check])
-            self._backward_active = True
-            self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
-            self._nonfinite_error = None
-            self.algorithm.nonfinite_buckets.clear()
-            self.algorithm._begin_round()  # register_state(rollback=True): before any bucket op runs
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _gather_ints(self, values, group=None, on_engine=False):
-        """Every rank's list of ints (one all_gather of len(values) int64 per rank), as a list per rank.
-        ``on_engine``: called from an op on the engine thread (else, with fault_tolerant, it runs there)."""
-        if self.world_size == 1:
-            return [list(values)]
-        mine = torch.tensor(values, dtype=torch.int64)
-        out = torch.empty(self.world_size * len(values), dtype=torch.int64)
-        pg = _control.of(self.process_group if group is None else group)
-        if self._elastic is not None and not on_engine:  # so that a peer's failure is seen, not waited for
-            try:
-                self.run_collective("step agreement", lambda: _compat.all_gather_single(out, mine, group=pg))
-            except (PeerFailedError, RuntimeError) as e:
-                self._elastic.comm_error = e
-                raise
-            return out.view(self.world_size, len(values)).tolist()
-        try:  # blocking: a peer that failed in this round's buckets never gets here (they fail fast)
-            _compat.all_gather_single(out, mine, group=pg)
-        except RuntimeError as e:
-            self._failfast.announce(f"a step-control all_gather failed: {e}")
-            raise
-        return out.view(self.world_size, len(values)).tolist()
 
-    def _gather_with_joiners(self, values, group=None, on_engine=False):
-        """:meth:`_gather_ints`, with fault tolerance on the model's group also carrying rank 0's count of
-        workers waiting to join (so every member learns it at the same step and admits them after it);
-        returned without that column."""
-        if self._elastic is None or group is not None:
-            return self._gather_ints(values, group, on_engine)
-        rows = self._gather_ints([self._elastic.joiners_waiting()] + list(values), group, on_engine)
-        if any(row[0] for row in rows):
-            self._elastic.grow_after_step = True  # on every rank alike
-        return [row[1:] for row in rows]
 
-    def _step_count_check(self, _flat):
-        """Before any bucket travels: do all ranks enter this round at the same step count?"""
-        self._check_steps([r[0] for r in self._gather_ints([self.algorithm.step], on_engine=True)],
-                          "nothing was exchanged")
 
-    def _check_steps(self, steps, what):
-        """Raise (``agreement.check``) unless every rank's step count in ``steps`` is the same."""
-        agreement.check(*agreement.steps_span(steps), lambda: self._out_of_step(steps, what))
-
-    def _out_of_step(self, steps, what):
-        """The error for ranks whose step counts differ, or None."""
-        lo, hi = agreement.steps_span(steps)
-        if lo == hi:
-            return None
-        by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
-        return (f"bagua_lite: ranks are out of step: a synchronised backward started at different optimizer step "
-                f"counts ({by_rank}; this is rank {self.rank}). Every rank must call backward() and "
-                f"optimizer.step() the same number of times (a rank took an extra step or skipped one); {what} "
-                f"in this round")
-
-    def _agree_after_round(self, unused):
-        """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the
-        round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
-        DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
-        bad = self.algorithm.nonfinite_buckets
-        words = [_ALL_USED] * self._used_words  # bit set: used on this rank
-        for i in unused:
-            words[i // _BITS] &= ~(1 << (i % _BITS))
-        rows = self._gather_with_joiners([min(bad) if bad else -1, self.algorithm.step] + words)
-        firsts = [row[0] for row in rows]
-        msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
-        if msg:
-            self.algorithm._roll_back()
-            self._failfast.announce(msg)  # the model is failed: forward() and optimizer.step() refuse
-            raise RuntimeError(msg)
-        if any(w != _ALL_USED for row in rows for w in row[2:]):  # some rank left some parameter out
-            used = [0] * self._used_words
-            for row in rows:
-                used = [a | b for a, b in zip(used, row[2:])]
-            for i, p in enumerate(self.params):
-                if not used[i // _BITS] >> (i % _BITS) & 1:
-                    p.grad = None
-        ranks = [r for r, b in enumerate(firsts) if b >= 0]
-        if not ranks:
-            self.algorithm.commit_round()
-            return
-        self.algorithm._roll_back()
-        with torch.no_grad():
-            for b in self.buckets:
-                b.flat.fill_(float("nan"))
-        where = ", ".join(f"rank {r} (bucket {firsts[r]} first)" for r in ranks)
-        self._nonfinite_error = (
-            f"bagua_lite: non-finite gradient (inf or NaN) at step {self.algorithm.step} on {where}; every rank "
-            f"skipped this round: .grad is NaN on all ranks and {self.algorithm.name}'s state (residuals, "
-            f"momenta) is as before it. A loss scaler (torch.amp.GradScaler) skips such steps; without one, "
-            f"optimizer.step() refuses to apply it (this is rank {self.rank}). Look for what produced the "
-            f"inf/NaN: learning rate, loss, inputs")
-
-    def _before_step(self, optimizer, args, kwargs):
-        """The optimizer's step pre-hook, the only one: a closure first (it runs forward and backward, as
-        in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``."""
-        closure, args, kwargs = _take_closure(optimizer, args, kwargs)
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-            calls = []
-
-            def evaluated():
-                if calls:
-                    raise RuntimeError(
-                        f"bagua_lite: {type(optimizer).__name__}.step evaluated its closure a second time in one "
-                        f"step; each evaluation would be a communication round whose count differs between ranks. "
-                        f"Use an optimizer that evaluates the closure once per step (SGD, Adam, ...)")
-                calls.append(1)
-                return loss
-            kwargs = dict(kwargs, closure=evaluated)
-        if self._elastic is not None and self._elastic.pending is not None:
-            raise self._elastic.take_pending()  # the step in flight was discarded on every survivor
-        self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
-        if self._nonfinite_error is not None:
-            raise FloatingPointError(self._nonfinite_error)
-        if self._local_bad is not None:
-            name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
-            raise FloatingPointError(
-                f"bagua_lite: non-finite gradient (inf or NaN) on rank {self.rank} at step {self.algorithm.step}, "
-                f"first in parameter {name!r}. Under {self.algorithm.name} gradients stay local, so only this rank "
-                f"skips the step: its weights are unchanged and the step still counts, so the ranks stay in "
-                f"step (a loss scaler, torch.amp.GradScaler, skips such steps without this error). Look for "
-                f"what produced the inf/NaN: learning rate, loss, inputs")
-        if self._unsynced and self.algorithm.sync_gradients():
-            raise RuntimeError(
-                f"bagua_lite: optimizer.step() after a backward under no_sync() with no synchronised backward "
-                f"since (this is rank {self.rank}, step {self.algorithm.step}, {self.algorithm.name}): its "
-                f"gradients are this rank's own and the replicas would drift apart. Run the last micro-batch's "
-                f"backward outside no_sync(), as with DDP")
-        self._algorithm_hook(self.algorithm.before_step)
-        return (args, kwargs) if closure is not None else None
-
-    def _settle_skipped_step(self):
-        """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
-        it still counts, as a step that moved nothing, so this rank's schedule (exchanges, periodic
-        averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint."""
-        if self._local_bad is not None:
-            self._local_bad = None
-            self._after_step()
-
-    def _hand_over(self, b, j, p):
-        """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot. With a
-        loss scaler the algorithm gets the true gradient (one more pass: residuals, momenta and selections
-        then stay at one scale whatever the scaler does)."""
-        if self._round_scales is not None and p.grad is not None:
-            p.grad.mul_(self._round_scales[1])
-        self.algorithm.on_gradient(b, j, p.grad)
-        p.grad = b.view(j)
-
-    def _scaled(self, ops):
-        """``ops``, then the bucket back at the loss scaler's scale (``_hand_over`` unscaled what went in), so
-        ``.grad`` reaches the scaler's ``unscale_`` as it expects. Device tensors: no host synchronisation."""
-        if self._round_scales is None:
-            return ops
-        scale = self._round_scales[0]
-        return list(ops) + [lambda flat: flat.mul_(scale)]
-
-    def _submit_ready(self):
-        while self._next_bucket < len(self.buckets) and \
-                self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
-            b = self.buckets[self._next_bucket]
-            self._engine.submit(b.index, b.flat, self._scaled(b.ops))
-            self._next_bucket += 1
-
-    def _finish_backward(self):
-        # Parameters without a gradient this step contribute zeros, so every rank runs every bucket.
-        unused = []
-        for b in self.buckets[self._next_bucket:]:
-            for j, p in enumerate(b.params):
-                if not self._marked[b.index][j]:
-                    if p.grad is None:
-                        unused.append(self._index[p])
-                    self._hand_over(b, j, p)  # p.grad is None, or what no_sync steps accumulated
-                    self._marked[b.index][j] = True
-            self._ready[b.index] = len(b.params)
-        self._submit_ready()
-        t0 = time.perf_counter()
-        lost = None
-        try:
-            self._wait_engine()
-        except (PeerFailedError, RuntimeError) as e:
-            if self._elastic is None:
-                raise
-            lost = e
-        finally:
-            self.timings["backward_wait_s"] += time.perf_counter() - t0
-            self._backward_active = False
-            self._unsynced = False
-            self._next_bucket = 0
-            self._ready = [0] * len(self.buckets)
-            self._marked = [[False] * len(b.params) for b in self.buckets]
-        if lost is not None:
-            self._elastic.recover(lost)  # discard this round, re-form the group (or raise)
-            return
-        t0 = time.perf_counter()
-        try:
-            self._agree_after_round(unused)
-        except RuntimeError as e:
-            if self._elastic is None or e is not self._elastic.comm_error:
-                raise
-            lost = e
-        finally:
-            self.timings["agree_s"] += time.perf_counter() - t0
-        if lost is not None:
-            self._elastic.recover(lost, buckets_done=True)
-
-    def _after_step(self):
-        self._local_bad = None
-        self._unsynced = False
-        self.algorithm.step += 1
-        self._algorithm_hook(self.algorithm.after_step)
-        if self._elastic is not None and (self._elastic.grow_after_step or self._elastic.admits_now()):
-            self._elastic.grow()  # a worker waits to join: the next step runs with it
-
-    def _algorithm_hook(self, hook):
-        """Run an algorithm hook that may communicate (its own exchanges, averages, threads' errors): if it
-        raises, this model's ranks are out of step for good, so tell the peers (fail fast) first. With
-        ``fault_tolerant=True`` and an algorithm that heals itself (DiLoCo's in-step sync), a lost peer is
-        recovered from here and the step raises MembershipChanged."""
-        try:
-            hook()
-        except Exception as e:
-            if isinstance(e, RuntimeError) and self._elastic is not None \
-                    and getattr(self.algorithm, "heals_itself", False):  # PeerFailedError is one
-                self._elastic.recover(e, periodic="sync")
-                raise self._elastic.take_pending() from e
-            if not isinstance(e, PeerFailedError):
-                self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
-            raise
-
-    # ---- what an algorithm uses of the model (besides buckets, params, optimizer, process_group, rank,
-    # world_size, run_collective and switch_algorithm) --------------------------------------------------------
-    def check_in_step(self, what: str, group=None) -> None:
-        """Raise on every rank unless all ranks are at the same step count: one all_gather of one int.
-        ``what`` says what the check guards ("nothing was exchanged"). Blocking: call it where the
-        collective belongs, e.g. inside :meth:`run_collective`'s function ahead of a periodic average."""
-        rows = self._gather_with_joiners([self.algorithm.step], group, on_engine=True)
-        self._check_steps([r[0] for r in rows], what)
-
-    def fail(self, what: str) -> None:
-        """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a
-        second instead of waiting for the process group's timeout). Never raises."""
-        self._failfast.announce(what)
-
-    def check_peers(self) -> None:
-        """Raise :class:`PeerFailedError` if a peer announced a failure (looks at most twice a second)."""
-        self._failfast.check_every()
-
-    def peer_failed(self) -> bool:
-        """Whether this model's communication is known to be broken, here or on a peer (never raises); with
-        ``fault_tolerant=True`` also whether a member's heartbeat stood still (a stopped peer, which would
-        hold an algorithm's thread in its collective until the group's timeout)."""
-        if self._failfast.peer_failed():
-            return True
-        if self._elastic is not None:
-            try:
-                self._elastic.watch_every()
-            except PeerFailedError:
-                return True
-        return False
-
-    def wait_for(self, event) -> None:
-        """``event.wait()`` for an algorithm's own thread's work, raising :class:`PeerFailedError` if a peer
-        fails meanwhile (the thread may sit in a collective with the failed peer until the timeout)."""
-        self._failfast.wait_event(event)
-
-    def _wait_engine(self):
-        """Wait for every task on the engine, failing fast: a peer's announced failure raises
-        PeerFailedError within POLL_S; this rank's own failure is announced to the peers."""
-        try:
-            self._failfast.wait_engine(self._engine)
-        except PeerFailedError:
-            self._engine.abandon()  # its worker may sit in a collective until the group's timeout
-            self._engine_abandoned = True
-            raise
-        except RuntimeError as e:  # this rank's op failed (or its collective, with a peer's death)
-            self._failfast.announce(str(e))
-            raise
-
-    def run_collective(self, what: str, fn):
-        """Run ``fn()``, an algorithm's own collectives outside the buckets (a periodic weight average, the
-        wait for a peer exchange), on the engine thread while this thread waits with fail fast: if a peer
-        announced a failure this raises :class:`PeerFailedError` within a second instead of waiting out the
-        process group's timeout (30 minutes by default). ``fn``'s result is returned."""
-        self._failfast.raise_if_failed()
-        result = []
-
-        def op(_flat):
-            result.append(fn())
-        op.__name__ = what
-        self._engine.submit(-2, self._no_tensor, [op])
-        self._wait_engine()
-        return result[0]

@@ -58,282 +58,94 @@ served outside the workers (each worker a client: ``TORCHELASTIC_USE_AGENT_STORE
 ``bagua_lite.init_process_group``); a store hosted by a worker (plain ``env://``: rank 0 serves it) dies with
 it, and then nothing can agree. Not under torchrun: its agent tears every worker down when one fails.
 """
-import threading
 import time
 
-import torch
 import torch.distributed as dist
 
-KEY = "bagua_lite/ft"   # the job's membership keys, on the store of generation 0 (one fault-tolerant model per job)
-JOIN_POLL_S = 0.5       # how often rank 0 looks for workers waiting to join
-HEARTBEAT_S = 0.5       # how often each worker's heartbeat thread bumps its key
+from . import launch
+from ._compat import group_timeout
+from ._failfast import POLL_S, FailFast, PeerFailedError
+from .membership import JOIN_POLL_S, KEY, Heartbeat, Membership, MembershipChanged, MembershipError, PulseWatch, reform
+# re-exported: the store protocol's names as users and tests know them from here
+from .membership import HEARTBEAT_S, broadcast_state, wait_for_admission  # noqa: F401
 
 
-class MembershipChanged(RuntimeError):
-    """A peer left: the step in flight was discarded on every survivor and the model now runs on the
-    survivors' new process group. Raised by ``optimizer.step()`` (a loop catches it and goes on)."""
+class MembershipView:
+    """What an algorithm that opts into fault tolerance (``supports_membership_change``) sees of it, as
+    ``model.membership`` (None without ``fault_tolerant=True``): where this worker stands in the job, and
+    the few collectives a healing or admitting algorithm runs. An algorithm that does not opt in never
+    needs it."""
 
-    def __init__(self, msg, old_world_size, new_world_size, generation):
-        super().__init__(msg)
-        self.old_world_size, self.new_world_size, self.generation = old_world_size, new_world_size, generation
+    def __init__(self, controller):
+        self._controller = controller
 
+    @property
+    def generation(self) -> int:
+        """The membership's generation: 0 for the job's first members, one more for every change."""
+        return self._controller.membership.generation
 
-class MembershipError(RuntimeError):
-    """The survivors cannot carry on: fewer than ``min_workers`` left, this rank was left out of the new
-    membership, or the survivors had committed different steps."""
+    @property
+    def joining(self) -> bool:
+        """Read in ``init``: this process is a worker admitted into a running job (it receives the state
+        from rank 0 after ``init``), not one of the job's first members."""
+        return self._controller.membership.generation > 0
 
+    @property
+    def member_id(self) -> int:
+        """This worker's id for the job's lifetime (its first generation's rank; joiners count on from there),
+        unlike ``model.rank``, which is its rank in the current generation's group."""
+        return self._controller.membership.me
 
-class Membership:
-    """The member set of the job, one generation after another, agreed through ``store`` under ``key``.
-    Members are ids: generation 0's ranks are 0..N-1, a joiner gets N, N+1, ... in the order it registered;
-    a generation's process group ranks its members in that order."""
+    @property
+    def changing(self) -> bool:
+        """A peer was lost in this step: it is discarded (nothing of it travels or is applied) and
+        ``optimizer.step()`` raises :class:`MembershipChanged`."""
+        return self._controller.pending is not None
 
-    POLL_S = 0.02
+    @property
+    def admitting(self) -> bool:
+        """Workers waiting to join are admitted after this step's ``optimizer.step()``, at the step rank 0 posted
+        in the store (``Algorithm.store_admission_margin``): what must finish on the old group, finishes now."""
+        return self._controller.admits_now()
 
-    def __init__(self, store, key, members, me, window_s, generation=0):
-        self.store, self.key, self.members, self.me, self.window_s = store, key, list(members), me, window_s
-        self.generation = generation
+    def joiners_waiting(self) -> int:
+        """Rank 0: how many workers wait to join (looked up in the store at most every ``JOIN_POLL_S``); other
+        ranks: 0. An algorithm whose own thread carries this news passes it on to every rank."""
+        return self._controller.joiners_waiting()
 
-    def close(self, g, members):
-        """Propose ``members`` for generation ``g`` (the first proposal wins); return the winning list."""
-        self.store.compare_set(f"{self.key}/gen{g}/members", "", ",".join(map(str, members)))
-        return self.read(g)
+    def admit_after_step(self) -> None:
+        """Admit the workers waiting to join after this step's ``optimizer.step()`` (call on every rank alike)."""
+        self._controller.grow_after_step = True
 
-    def read(self, g):
-        return [int(r) for r in self.store.get(f"{self.key}/gen{g}/members").decode().split(",")]
+    def admit_now(self) -> None:
+        """Admit the workers waiting to join now, at a step boundary (every rank alike)."""
+        self._controller.grow()
 
-    def grown(self):
-        """Rank 0 of the members only: the next generation with every registered joiner not yet admitted
-        added, proposed and agreed; the joiners' registrations are then marked admitted."""
-        joined = int(self.store.add(f"{self.key}/joined", 0))
-        admitted = int(self.store.add(f"{self.key}/admitted", 0))
-        first = int(self.store.get(f"{self.key}/world0"))
-        members = self.close(self.generation + 1, self.members + [first + k for k in range(admitted, joined)])
-        self.store.add(f"{self.key}/admitted", joined - admitted)
-        return members
+    def gather_ints(self, values):
+        """Every rank's list of ints (one all_gather on the control group; fails fast): a list per rank."""
+        return self._controller.port.gather_ints(values)
 
-    def waiting(self) -> int:
-        """How many registered joiners are not admitted yet (one store round trip each)."""
-        return int(self.store.add(f"{self.key}/joined", 0)) - int(self.store.add(f"{self.key}/admitted", 0))
-
-    def next(self):
-        """Register for the next generation and return its members (sorted global ranks). Every caller
-        gets the same list; raises MembershipError if this rank is not in it."""
-        g = self.generation + 1
-        base = f"{self.key}/gen{g}"
-        self.store.set(f"{base}/alive/{self.me}", "1")
-        self.store.add(f"{base}/count", 1)
-        deadline = time.monotonic() + self.window_s
-        closed = f"{base}/members"
-        while not self.store.check([closed]):
-            if self.store.add(f"{base}/count", 0) >= len(self.members) or time.monotonic() >= deadline:
-                alive = [r for r in self.members if self.store.check([f"{base}/alive/{r}"])]
-                self.store.compare_set(closed, "", ",".join(map(str, alive)))  # the first closer wins
-                break
-            time.sleep(self.POLL_S)
-        members = self.read(g)
-        self.generation = g
-        if self.me not in members:
-            raise MembershipError(
-                f"bagua_lite: rank {self.me} registered for generation {g} after the survivors had closed it "
-                f"({members}, {self.window_s} s after the first of them registered): it is no longer a member. "
-                f"A rank that is busy longer than rejoin_window_s when a peer fails is left out; raise the window")
-        return members
-
-
-def reform(base, g, members, me, backend, timeout, watch=None):
-    """Generation ``g``'s default process group over ``members`` (ids; this process is ``me``): the old
-    default group (and every group made from it) destroyed, a new one made by the members only on a store
-    prefix of its own, with the old backend and timeout. ``watch`` (a :class:`PulseWatch` of the members):
-    called every half second while gloo connects, so a member that dies or stops now raises
-    :class:`MembershipError` within the heartbeat timeout instead of holding the others for the group's
-    (after a loss the survivors then form the next generation without it; while admitting a joiner it ends
-    the run). The connecting thread is left to the group's timeout: it cannot complete without that member."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-    # A client of its own: gloo's rendezvous blocks its client in get() until every member has written its
-    # address, and one left waiting for a lost member must not hold the client the membership agrees on.
-    store = _own_client(base) if watch is not None else base
-
-    def connect():
-        dist.init_process_group(backend, store=dist.PrefixStore(f"{KEY}/gen{g}", store), rank=members.index(me),
-                                world_size=len(members), timeout=timeout)
-    if watch is None:
-        connect()
-        return dist.group.WORLD
-    from ._failfast import POLL_S, PeerFailedError
-    from ._worker import Worker
-
-    done = threading.Event()
-    worker = Worker("bagua_lite-reform")
-    worker.submit(connect, done)
-    while not done.wait(POLL_S):
-        try:
-            watch()
-        except PeerFailedError as e:  # the connecting thread is left to the group's timeout
-            raise MembershipError(f"bagua_lite: a member was lost again while the members {members} formed "
-                                  f"generation {g}'s process group: {e}") from e
-    error = worker.take_error()
-    if error is not None:
-        raise error
-    worker.stop()
-    return dist.group.WORLD
-
-
-def broadcast_state(state, group, src=0):
-    """``state`` (nested dicts, lists and tuples of tensors and plain values) from rank ``src`` of ``group``
-    to every rank (the others pass None); the tensors travel as one flat buffer per dtype, the rest pickled.
-    The buffers travel from the host (a copy where the sender keeps them on a device), so every rank takes
-    part with a CPU tensor, whatever device each keeps its state on; the receivers' loaders move it."""
-    tensors = []
-
-    def strip(x):  # the structure, each tensor replaced by its index in ``tensors``
-        if isinstance(x, torch.Tensor):
-            tensors.append(x.detach())
-            return _TensorSlot(len(tensors) - 1)
-        if isinstance(x, dict):
-            return {k: strip(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(strip(v) for v in x)
-        return x
-    is_src = group.rank() == src
-    box = [None]
-    if is_src:
-        skeleton = strip(state)
-        box = [(skeleton, [(tuple(t.shape), t.dtype) for t in tensors])]
-    dist.broadcast_object_list(box, group_src=src, group=group)
-    skeleton, metas = box[0]
-    received = [None] * len(metas)
-    for dtype in sorted({dt for _, dt in metas}, key=str):
-        idx = [i for i, (_, dt) in enumerate(metas) if dt == dtype]
-        sizes = [int(torch.Size(metas[i][0]).numel()) for i in idx]
-        flat = torch.cat([tensors[i].reshape(-1).cpu() for i in idx]) if is_src else torch.empty(sum(sizes), dtype=dtype)
-        dist.broadcast(flat, group_src=src, group=group)
-        for i, piece in zip(idx, flat.split(sizes)):
-            received[i] = piece.view(metas[i][0])
-
-    def fill(x):
-        if isinstance(x, _TensorSlot):
-            return received[x.index]
-        if isinstance(x, dict):
-            return {k: fill(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(fill(v) for v in x)
-        return x
-    return fill(skeleton)
-
-
-class _TensorSlot:
-    """Where a tensor stood in a state :func:`broadcast_state` sends (pickled in its place)."""
-
-    def __init__(self, index):
-        self.index = index
-
-
-def wait_for_admission(base, window_s, poll_s=0.05):
-    """A joiner: register, then wait (as long as it takes: the members admit joiners at a step boundary)
-    for the generation that lists it. Returns its Membership (the caller makes the process group)."""
-    me = int(base.get(f"{KEY}/world0")) + int(base.add(f"{KEY}/joined", 1)) - 1
-    g = int(base.get(f"{KEY}/generation")) + 1
-    heartbeat = Heartbeat(base, me)  # from now on: the members watch it while they connect with it
-    while True:
-        if base.check([f"{KEY}/closed"]):
-            heartbeat.stop()
-            raise MembershipError(f"bagua_lite: the job this worker was to join has ended (its model was closed) "
-                                  f"before admitting it (joiner id {me})")
-        if base.check([f"{KEY}/gen{g}/members"]):
-            membership = Membership(base, KEY, [], me, window_s, g)
-            members = membership.read(g)
-            if me in members:
-                membership.members = members
-                membership.heartbeat = heartbeat
-                return membership
-            g += 1
-            continue
-        time.sleep(poll_s)
-
-
-def _own_client(store):
-    """A client of ``store`` of its own (``Store.clone``): a store client serves one call at a time, so the
-    heartbeat and the watch must not queue behind a blocking call of another thread (gloo's rendezvous
-    waits in ``get`` until every member has written its address)."""
-    try:
-        return store.clone()
-    except Exception:  # noqa: BLE001 - a store without clone: the shared client, which then may queue
-        return store
-
-
-class Heartbeat:
-    """This worker's pulse: a daemon thread bumps ``bagua_lite/ft/beat/<id>`` in the store every
-    ``HEARTBEAT_S`` seconds. A stopped process (SIGSTOP, a hung host) keeps its connections open, so its peers'
-    collectives would wait for the process group's timeout; its pulse stops, which :class:`PulseWatch` sees."""
-
-    def __init__(self, store, me):
-        self.store, self.key = _own_client(store), f"{KEY}/beat/{me}"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bagua_lite-heartbeat", daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self.store.add(self.key, 1)
-            except Exception:  # noqa: BLE001 - a slow or unreachable store: try again at the next beat (a
-                pass           # thread that stopped here would have its live worker taken for a lost one)
-
-    def stop(self):
-        self._stop.set()
-
-
-class PulseWatch:
-    """Called at every poll while a member waits for its peers (``FailFast.watch``): raises
-    ``PeerFailedError`` naming a member whose heartbeat stood still for ``timeout_s`` seconds of waiting.
-    ``store``: a client no other thread blocks (this worker's :class:`Heartbeat`'s, whose calls are short)."""
-
-    def __init__(self, store, members, me, timeout_s):
-        self.store, self.timeout_s = store, timeout_s
-        self.seen = {m: (None, 0.0) for m in members if m != me}  # id -> (last count, when it last moved)
-
-    def __call__(self, closed_ok=False):
-        """``closed_ok``: a member that closed its model (an asynchronous one's ranks end their loops at
-        different times) is no longer watched instead of being treated as lost."""
-        from ._failfast import PeerFailedError
-
-        now = time.monotonic()
-        for m, (count, since) in list(self.seen.items()):
-            try:
-                now_count = int(self.store.add(f"{KEY}/beat/{m}", 0))
-                if now_count == count and now - since > self.timeout_s and closed_ok \
-                        and self.store.check([f"{KEY}/left/{m}"]):
-                    del self.seen[m]
-                    continue
-            except Exception:  # noqa: BLE001 - the store will say more at the next membership change
-                return
-            if now_count != count:
-                self.seen[m] = (now_count, now)
-            elif now - since > self.timeout_s:
-                raise PeerFailedError(
-                    f"bagua_lite: member {m}'s heartbeat stood still for {now - since:.1f} s while this rank waited "
-                    f"for it (heartbeat_timeout_s={self.timeout_s}): a stopped or hung process, treated as lost")
+    def share_state(self, src: int, receive: bool) -> None:
+        """Rank ``src``'s parameters, buffers, optimizer state and algorithm shared state to every rank (a
+        collective); ``receive``: this rank loads the optimizer's and the algorithm's (it was behind)."""
+        self._controller.port.share_state(src, receive)
 
 
 class Controller:
     """What ``DistributedModel(..., fault_tolerant=True)`` adds to the model: the membership, the step to
-    discard (``pending``, raised by ``optimizer.step()``) and :meth:`recover`."""
+    discard (``pending``, raised by ``optimizer.step()``) and :meth:`recover`. It reads the model's public
+    members and changes the model only through ``port``, the few operations the model lends it (its engine,
+    its fail-fast key, its group, discarding a round, the collectives of an admission)."""
 
-    def __init__(self, model, min_workers, on_membership_change, rejoin_window_s, membership=None,
+    def __init__(self, model, port, min_workers, on_membership_change, rejoin_window_s, membership=None,
                  heartbeat_timeout_s=10.0):
-        from ._failfast import FailFast
-        from ._groups import group_timeout
-
         self.model = model
+        self.port = port
         self.min_workers = min_workers
         self.callback = on_membership_change
         self.backend, self.timeout = dist.get_backend(model.process_group), group_timeout(model.process_group)
         if membership is None:  # generation 0: every rank of the default group
-            from . import launch
-            base = launch._STORE.get("store", model._failfast.store)
+            base = launch.job_store(port.failfast.store)
             if model.process_group is not dist.group.WORLD:
                 raise ValueError("DistributedModel: fault_tolerant=True runs on the default process group (each "
                                  "generation's members make a new one); do not pass group=")
@@ -343,7 +155,7 @@ class Controller:
                     f"{KEY}/open): one fault-tolerant model per job; a worker joining a running job calls "
                     "bagua_lite.init_process_group() first, which then makes no group and lets this model join")
             membership = Membership(base, KEY, range(model.world_size), model.rank, rejoin_window_s)
-            model._failfast = FailFast(model.rank, f"{KEY}/gen0/failed")
+            port.failfast = FailFast(model.rank, f"{KEY}/gen0/failed")
             model.process_group.barrier().wait()  # every rank checked "open" before rank 0 sets it
             if model.rank == 0:
                 base.set(f"{KEY}/gen0/members", ",".join(map(str, range(model.world_size))))
@@ -351,12 +163,12 @@ class Controller:
                 base.set(f"{KEY}/generation", "0")
                 base.set(f"{KEY}/open", "1")
         else:  # a joiner, admitted
-            model._failfast = FailFast(model.rank, f"{KEY}/gen{membership.generation}/failed")
+            port.failfast = FailFast(model.rank, f"{KEY}/gen{membership.generation}/failed")
         self.membership = membership
         self.base = membership.store
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat = getattr(membership, "heartbeat", None) or Heartbeat(self.base, membership.me)
-        model._failfast.watch = self._pulse_watch(membership.members)
+        port.failfast.watch = self._pulse_watch(membership.members)
         self.next_join_check = 0.0
         self._next_watch = 0.0
         self.grow_after_step = False  # a joiner waits: admit it after this step's optimizer.step()
@@ -373,21 +185,14 @@ class Controller:
         it was the step agreement, after every bucket had completed here. ``periodic``: "sync", an
         algorithm's own sync after the optimizer's update (kept), or "store", a look at the store before a
         local step (that step is discarded); the algorithm heals itself (``heal()``)."""
-        from . import _C
-
         started, t0 = time.time(), time.monotonic()
-        m, alg = self.model, self.model.algorithm
-        m._failfast.announce(f"{type(error).__name__}: {error}")  # the other survivors stop waiting
-        if not m._engine_abandoned:
-            m._engine.abandon()  # its worker may sit in a collective with the dead peer
-        m._engine, m._engine_abandoned = _C.Engine(), False
+        m, alg, port = self.model, self.model.algorithm, self.port
+        m.fail(f"{type(error).__name__}: {error}")  # the other survivors stop waiting
+        port.renew_engine()  # the old one's worker may sit in a collective with the dead peer
         # The agreement can fail here after a peer got it whole (the dead worker's part reached some): those
         # apply the round. Keep this rank's result of it, to take the round late if they did.
-        late = [[t.clone() for t in tensors] for tensors, _ in alg._kept.values()] if buckets_done else None
-        alg._roll_back()
-        with torch.no_grad():
-            for b in m.buckets:
-                b.flat.zero_()
+        late = alg.kept_state.snapshot() if buckets_done else None
+        port.discard_round()
         old_world, step, tries = m.world_size, alg.step, 0
         while True:  # one generation per try: a member lost while the others re-form is left out by the next
             last = self.membership.members
@@ -403,27 +208,24 @@ class Controller:
                        f"min_workers={self.min_workers}: training cannot go on (this is global rank "
                        f"{self.membership.me}, step {step}). Save a checkpoint from the state you have and restart "
                        f"with more workers")
-                m._failfast.failed = msg
+                port.failfast.failed = msg
                 raise MembershipError(msg) from error
             self.membership.members = members
             try:
                 self._use(g, members)  # a member lost while gloo connects: MembershipError (heartbeat watch)
-                steps = [r[0] for r in m._gather_ints([step])]  # one lost after it: its failure, fail fast
+                steps = [r[0] for r in port.gather_ints([step])]  # one lost after it: its failure, fail fast
                 break
             except (MembershipError, RuntimeError) as e:  # PeerFailedError is one
                 tries += 1
                 error = e
-                from ._failfast import FailFast
                 FailFast(m.rank, f"{KEY}/gen{g}/failed").announce(f"lost while re-forming: {e}")  # the others
-                if not m._engine_abandoned:  # of generation g stop waiting in its first collective
-                    m._engine.abandon()
-                m._engine, m._engine_abandoned = _C.Engine(), False
+                port.renew_engine()  # of generation g stop waiting in its first collective
         healed = ""
         if periodic:
             try:
                 alg.heal()
             except Exception as e:  # noqa: BLE001 - another failure while healing
-                m._failfast.failed = str(e)
+                port.failfast.failed = str(e)
                 raise MembershipError(f"bagua_lite: the survivors {members} could not bring {alg.name}'s state "
                                       f"together after the loss (generation {g}): {e}") from e
             healed = f"; {alg.name}'s round in progress was healed (step count now {alg.step})"
@@ -434,14 +236,12 @@ class Controller:
                 msg = (f"bagua_lite: the survivors {members} had applied different steps when the peer failed "
                        f"(step counts {steps}) and this rank cannot take the missing one (this is rank {m.rank}). "
                        f"Restart from a checkpoint")
-                m._failfast.failed = msg
+                port.failfast.failed = msg
                 raise MembershipError(msg)
             if behind:  # the others applied the round whose agreement failed here: take it late
-                for (tensors, _), kept in zip(alg._kept.values(), late):
-                    for t, k in zip(tensors, kept):
-                        t.copy_(k)
+                alg.kept_state.restore(late)
                 alg.commit_round()
-            m._share_state(steps.index(hi), receive=behind)  # their weights, optimizer and step count
+            port.share_state(steps.index(hi), receive=behind)  # their weights, optimizer and step count
             healed = (f"; the step agreement of step {lo} had reached some survivors only, who applied it: the "
                       f"others took it from them")
         alg.regroup()
@@ -462,16 +262,13 @@ class Controller:
 
     def _use(self, g, members):
         """Run the model on generation ``g``'s new default group (``members``)."""
-        from ._failfast import FailFast
-
-        m = self.model
         self.admit_at = None  # a store admission posted for the last generation does not carry over
         watch = self._pulse_watch(members)
         pg = reform(self.base, g, members, self.membership.me, self.backend, self.timeout, watch)
-        m.process_group, m.rank, m.world_size = pg, pg.rank(), pg.size()
-        m._failfast = FailFast(m.rank, f"{KEY}/gen{g}/failed")
-        m._failfast.watch = watch
-        if m.rank == 0:
+        self.port.use_group(pg)
+        self.port.failfast = FailFast(pg.rank(), f"{KEY}/gen{g}/failed")
+        self.port.failfast.watch = watch
+        if pg.rank() == 0:
             self.base.set(f"{KEY}/generation", str(g))
 
     def _pulse_watch(self, members):
@@ -481,18 +278,16 @@ class Controller:
         """The heartbeat watch, at most every ``POLL_S`` seconds, for a training thread that never waits for
         its peers (asynchronous averaging: its thread's collectives would wait for a stopped peer until the
         group's timeout). A member that closed its model is not a lost one there."""
-        from ._failfast import POLL_S
-
         now = time.monotonic()
         if now >= self._next_watch:
             self._next_watch = now + POLL_S
-            self.model._failfast.watch(closed_ok=True)
+            self.port.failfast.watch(closed_ok=True)
 
     def joiners_waiting(self) -> int:
         """Rank 0: the number of workers waiting to join, looked up at most every JOIN_POLL_S (0 between);
         the others: 0. Rides in the step agreement, so every member learns it at the same step."""
         if self.model.rank != 0 or time.monotonic() < self.next_join_check \
-                or not getattr(self.model.algorithm, "admits_joiners", True):  # auto while it probes
+                or not self.model.algorithm.admits_joiners:  # auto while it probes
             return 0
         self.next_join_check = time.monotonic() + JOIN_POLL_S
         try:
@@ -516,7 +311,7 @@ class Controller:
                 msg = (f"bagua_lite: this rank (global {self.membership.me}) is at step {step}, already past step "
                        f"{self.admit_at} at which rank 0 admits a joiner ({margin} steps past its own when it saw "
                        f"it): the members cannot form the new group at one step. Restart from a checkpoint")
-                self.model._failfast.announce(msg)
+                self.model.fail(msg)
                 raise MembershipError(msg)
 
     def admits_now(self) -> bool:
@@ -525,17 +320,15 @@ class Controller:
 
     def grow(self):
         """After ``optimizer.step()`` of a step whose agreement said joiners wait: every member and the
-        joiners form the next generation and rank 0 sends the joiners the state (``DistributedModel._admit``)."""
+        joiners form the next generation and rank 0 sends the joiners the state (the model's admission)."""
         t0 = time.monotonic()
-        m, alg, mb = self.model, self.model.algorithm, self.membership
+        m, mb = self.model, self.membership
         self.grow_after_step = False
         g = mb.generation + 1
         old_world = m.world_size
         if m.rank == 0:
             members = mb.grown()
         else:
-            from ._failfast import PeerFailedError
-
             watch = self._pulse_watch(mb.members)
             while not self.base.check([f"{KEY}/gen{g}/members"]):  # rank 0 publishes them at once
                 try:
@@ -547,7 +340,7 @@ class Controller:
             members = mb.read(g)
         mb.generation, mb.members = g, members
         self._use(g, members)
-        m._admit(joining=False)  # regroups the algorithm where the joiner's constructor sets it up
+        self.port.admit()  # regroups the algorithm where the joiner's constructor sets it up
         self.last_join = {"members": members, "seconds": time.monotonic() - t0}
         if self.callback is not None:
             self.callback(old_world, m.world_size)

@@ -23,6 +23,9 @@ _ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: what a GPU job gets by default: NCCL for CUDA tensors, gloo for CPU ones (the control traffic)
 GPU_BACKEND = "cpu:gloo,cuda:nccl"
 BACKENDS = ("gloo", "nccl", GPU_BACKEND)
+#: the fault-tolerant job's keys, on the store of generation 0 (bagua_lite.membership; one such model per job):
+#: here because init_process_group looks there for a running job to join
+FT_KEY = "bagua_lite/ft"
 #: the store init_process_group gave the default group (fault tolerance keeps its membership there: the
 #: default group's own store is prefixed by its name, which a joiner cannot know)
 _STORE = {}
@@ -60,9 +63,24 @@ def init_process_group(backend: Optional[str] = None, timeout: Optional[timedelt
                            "job; build its DistributedModel(..., fault_tolerant=True)")
     store, rank, world_size = next(rendezvous("env://", **kwargs))
     store = dist.PrefixStore(f"bagua_lite/attempt{attempt}", store)
-    from .elastic import KEY
-    if store.check([f"{KEY}/open"]):  # a fault-tolerant job runs: join it (DistributedModel waits to be admitted)
+    if store.check([f"{FT_KEY}/open"]):  # a fault-tolerant job runs: join it (DistributedModel waits to be admitted)
         _JOIN.update(store=store, group=(backend, timeout if timeout is not None else dist.default_pg_timeout))
         return
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
     _STORE["store"] = store
+
+
+def job_store(default=None):
+    """The store :func:`init_process_group` made the default group from, or ``default``."""
+    return _STORE.get("store", default)
+
+
+def joining():
+    """``(store, (backend, timeout))`` when this process joins a running fault-tolerant job (its
+    ``DistributedModel(..., fault_tolerant=True)`` is admitted and makes the process group), else None."""
+    return (_JOIN["store"], _JOIN["group"]) if _JOIN else None
+
+
+def joined() -> None:
+    """The join is done: the process group exists now."""
+    _JOIN.clear()

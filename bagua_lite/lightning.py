@@ -240,7 +240,7 @@ class BaguaLiteStrategy(DDPStrategy):
         return True
 
     def _rank_state(self, model: DistributedModel, checkpoint: dict) -> dict:
-        state = {"format": _ckpt.FORMAT, "rank": model.rank, "meta": _ckpt._meta(model),
+        state = {"format": _ckpt.FORMAT, "rank": model.rank, "meta": _ckpt.model_meta(model),
                  "algorithm": model.algorithm_state_dict(), "rng": torch.get_rng_state()}
         if self.root_device.type == "cuda":
             state["cuda_rng"] = torch.cuda.get_rng_state(self.root_device)
@@ -265,7 +265,7 @@ class BaguaLiteStrategy(DDPStrategy):
                                                    storage_options=storage_options)
         except Exception as e:  # noqa: BLE001  (reported on every rank below)
             error = e
-        failed = _ckpt._all_ok(model, error)
+        failed = _ckpt.failed_ranks(model, error)
         if failed:
             raise RuntimeError(f"BaguaLiteStrategy.save_checkpoint({os.fspath(filepath)!r}): failed on rank(s) "
                                f"{failed}" + (f"; here: {type(error).__name__}: {error}" if error else "")) from error
@@ -293,9 +293,9 @@ class BaguaLiteStrategy(DDPStrategy):
                     f"another strategy, or as weights only), so the algorithm's per-rank state (residuals, "
                     f"momenta, replicas) cannot be resumed. To start from its weights, load them into the "
                     f"LightningModule (load_state_dict / load_from_checkpoint) and fit without ckpt_path")
-            now = _ckpt._meta(model)
-            diffs = _ckpt._differences(saved["meta"], now)
-            if diffs and all(d.startswith("world size") for d in diffs) and not _ckpt._has_tensors(saved["algorithm"]):
+            now = _ckpt.model_meta(model)
+            diffs = _ckpt.meta_differences(saved["meta"], now)
+            if diffs and all(d.startswith("world size") for d in diffs) and not _ckpt.has_tensors(saved["algorithm"]):
                 warnings.warn(f"BaguaLiteStrategy: {diffs[0]}; {saved['meta']['algorithm']} keeps no per-rank "
                               f"state, so every rank resumes from rank 0's", stacklevel=2)
                 own = saved
@@ -307,11 +307,11 @@ class BaguaLiteStrategy(DDPStrategy):
             else:
                 side = _side_file(checkpoint_path, model.rank)
                 own = self.checkpoint_io.load_checkpoint(side, weights_only=weights_only)
-                if own.get("rank") != model.rank or _ckpt._differences(own["meta"], now):
+                if own.get("rank") != model.rank or _ckpt.meta_differences(own["meta"], now):
                     raise ValueError(f"BaguaLiteStrategy: {side} is not rank {model.rank}'s state for this model")
         except Exception as e:  # noqa: BLE001
             error = e
-        failed = _ckpt._all_ok(model, error)
+        failed = _ckpt.failed_ranks(model, error)
         if failed:
             if isinstance(error, ValueError):
                 raise error

@@ -41,6 +41,8 @@ import os
 import sys
 import time
 
+from . import _C
+
 log = logging.getLogger("bagua_lite")
 
 _M_TRIM_THRESHOLD = -1
@@ -93,8 +95,6 @@ def exit_wait_s() -> float:
 def _release_at_exit() -> None:
     """atexit: stop every engine worker and free unreachable models while other threads may still take the
     GIL (see the module docstring). Does nothing in a process that never made a model's engine."""
-    from . import _C
-
     if not _C._engines_created():
         return
     budget, t0 = exit_wait_s(), time.monotonic()

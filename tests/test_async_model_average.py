@@ -5,14 +5,17 @@
   steps, the background thread runs the same number of rounds on every rank, and the replicas' spread
   stays far below that of the same training without averaging; after close() ``average_now()`` makes
   them identical;
-* close() called at different times (rank r trains 0.2 s longer per rank) returns quickly everywhere;
+* close() interrupts the thread's wait between rounds (an interval of an hour does not hold it up);
+* close() called at different times (each rank trains on until the rank before it has closed) returns on
+  every rank while the later ones still train;
 * minmax_uint8 compression still learns; an optimizer step that raises does not leave the step lock held;
   state_dict / load_state_dict round-trip while the thread runs;
-* a dead peer (os._exit) makes the survivors' training thread raise within the group timeout + 10 s;
+* a dead peer (os._exit) makes the survivors' training thread raise, naming the background averaging;
 * bad options raise ValueError naming the option (single process).
 """
 import os
 import time
+import uuid
 
 import pytest
 import torch
@@ -78,28 +81,37 @@ def _timed(rank, seconds, interval_ms, warmup=5, slow_s=0.03, fast_s=0.005):
     return {"w": w, "steps": s, "rounds": model.algorithm.rounds, "after_average": _flat(net)}
 
 
-def _r_async(rank, P):
+def _r_async(rank, P, token):
     out = {}
     # (a) warm-up == gradient_allreduce, bit for bit
     for name, opts in (("ga", ("gradient_allreduce", {})),
-                       ("am", ("async_model_average", {"warmup_steps": 6, "sync_interval_ms": 60_000}))):
+                       ("am", ("async_model_average", {"warmup_steps": 6, "sync_interval_ms": 3_600_000}))):
         net, opt, model = _model(opts[0], **opts[1])
         out[name] = [(_step(model, opt, rank, s), _flat(net)) for s in range(6)]
         t = time.monotonic()
-        model.close()  # the thread started after step 6 and sleeps 60 s: close must not wait for it
+        # the thread started after step 6 and waits an hour for its first round: close must wake it (were it
+        # to wait, the run would outlast the harness's timeout)
+        model.close()
         out[name + "_close_s"] = time.monotonic() - t
+        if name == "am":
+            out["am_thread_ended"], out["am_rounds"] = not model.algorithm.thread.worker.busy, model.algorithm.rounds
     # (b) different speeds, fast averaging vs. none
     out["avg"] = _timed(rank, 1.0, 20)
     out["local"] = _timed(rank, 1.0, 10_000_000)
-    # (c) close at different times: rank r trains 0.2 s longer per rank, then closes
+    # (c) close at different times: rank 0 trains 0.3 s, then closes; every other rank trains on until the
+    # rank before it has returned from close(), then closes. A close() that waited for a later rank's would
+    # never return (the run would outlast the harness's timeout).
+    store = dist.distributed_c10d._get_default_store()
     net, opt, model = _model("async_model_average", sync_interval_ms=50)
     t0, s = time.monotonic(), 0
-    while time.monotonic() - t0 < 0.3 + 0.2 * rank:
+    while (time.monotonic() - t0 < 0.3) if rank == 0 else not store.check([f"{token}/closed/{rank - 1}"]):
         _step(model, opt, rank, s)
         s += 1
     t = time.monotonic()
     model.close()
     out["stagger_close_s"], out["stagger_rounds"] = time.monotonic() - t, model.algorithm.rounds
+    out["stagger_thread_ended"] = not model.algorithm.thread.worker.busy
+    store.set(f"{token}/closed/{rank}", "1")
     # (d) minmax_uint8 learns; a step that raises; state round-trip while running
     net, opt, model = _model("async_model_average", lr=0.1, sync_interval_ms=20, compression="minmax_uint8")
     heldout = _batch(10_000, 0, n=512)  # the same for every rank: learning judged on it, not on the
@@ -130,12 +142,13 @@ def _heldout_loss(net, batch):
 
 @pytest.mark.parametrize("P", [1, 2, 3, 4, 5], ids=lambda p: f"P{p}")
 def test_async_model_average(clusters, P):
-    res = clusters.get(P).run(_r_async, timeout=120)
+    res = clusters.get(P).run(_r_async, f"test_async_model_average/{uuid.uuid4().hex}", timeout=120)
     for r, out in enumerate(res):
         for (la, wa), (lb, wb) in zip(out["ga"], out["am"]):
             assert la == lb and torch.equal(wa, wb), f"rank {r}: warm-up differs from gradient_allreduce"
-        assert out["am_close_s"] < 3, f"rank {r}: close() took {out['am_close_s']:.1f}s"
-        assert out["stagger_close_s"] < 3, f"rank {r}: staggered close() took {out['stagger_close_s']:.1f}s"
+        assert out["am_thread_ended"] and out["am_rounds"] == 0, f"rank {r}: close() did not end the waiting thread"
+        assert out["stagger_thread_ended"], f"rank {r}: staggered close() left the averaging thread running"
+        print(f"P={P} rank {r}: close() {out['am_close_s']:.2f} s, staggered close() {out['stagger_close_s']:.2f} s")
         assert out.get("boom_raised") and out["rounds_after_boom"] > 0, f"rank {r}: a failed step stalled averaging"
         first, last = out["heldout_before"], out["heldout_after"]
         assert last < 0.7 * first, f"rank {r}: minmax_uint8 does not learn: held-out loss {first:.3f} -> {last:.3f}"
@@ -185,8 +198,9 @@ def test_dead_peer_raises_in_training_thread():
         survivors = {r: v for r, (ok, v) in err.partial.items() if ok}
         assert sorted(survivors) == [r for r in range(P) if r != victim], str(err)
         for r, (what, elapsed, msg) in survivors.items():
-            assert what == "raised" and elapsed < pg_timeout + 10, (r, what, elapsed, msg)
+            assert what == "raised", (r, what, elapsed, msg)
             assert "background averaging failed" in msg, (r, msg)
+            print(f"rank {r}: raised {elapsed:.2f} s after rank {victim} died (group timeout {pg_timeout} s)")
     finally:
         c.close()
 

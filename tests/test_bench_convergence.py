@@ -311,7 +311,7 @@ def test_auto_runs_as_a_convergence_cell_and_is_judged(tmp_path):
 
 # ---- project_time, torchft's DiLoCo, hf_gpt2, progress (issue 24) ------------------------------------------------
 def _torchft_installed():
-    from bagua_lite.bench.cells import torchft_available
+    from bagua_lite.bench.config import torchft_available
     return torchft_available()[0]
 
 
@@ -363,8 +363,8 @@ def test_project_time_defaults_and_warmup_is_allowed(tmp_path):
 
 
 def test_torchft_row_and_hf_model_are_skipped_with_a_note_when_not_installed(tmp_path, monkeypatch):
-    from bagua_lite.bench import cells
-    monkeypatch.setattr(cells, "torchft_available", lambda: (False, "ModuleNotFoundError: No module named 'torchft'"))
+    from bagua_lite.bench import config
+    monkeypatch.setattr(config, "torchft_available", lambda: (False, "ModuleNotFoundError: No module named 'torchft'"))
     monkeypatch.setattr(zoo, "optional_model_missing", lambda m: "transformers is not installed (pip ...)"
                         if m == "hf_gpt2" else None)
     p = tmp_path / "c.yaml"

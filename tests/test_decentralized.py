@@ -1,4 +1,4 @@
-"""The two decentralized algorithms over one peer exchange (algorithms/_gossip.py), without a process group:
+"""The two decentralized algorithms over one peer exchange (algorithms/parts/gossip.py), without a process group:
 ``decentralized`` with a ``compression`` is the compressed exchange under decentralized's name, options and
 defaults, for training and for the cost model alike. (Training: tests/test_training.py's decentralized tests.)"""
 import pytest
@@ -50,7 +50,7 @@ def _r_staged(rank, P, name, options):
     import torch.nn.functional as F
 
     import bagua_lite
-    from bagua_lite.algorithms import _peers
+    from bagua_lite.algorithms.parts import peers as _peers
 
     def run():
         torch.manual_seed(0)

@@ -73,7 +73,8 @@ def _worker(rank, P, port, out, algo, options, kill_at, replacement):
     model = bagua_lite.DistributedModel(net, opt, build(algo, **options), bucket_size_mb=0.001,
                                         fault_tolerant=True, on_membership_change=changed)
     model_box.append(model)
-    me = model._elastic.membership.me
+    me = model.membership.member_id
+    res["joining"] = model.membership.joining  # read after the constructor: a joiner's generation is > 0
     if replacement:
         res["joined_at"] = model.algorithm.step
         res["snap"] = (model.algorithm.step, _snapshot(model, net, opt))
@@ -196,6 +197,7 @@ def test_a_replacement_joins_and_trains_bit_identical_to_a_fresh_run(algo, optio
     joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)  # ids go on from P
     start = joiner["joined_at"]
     assert kill_step < start < STEPS, (kill_step, start)  # admitted while the others trained
+    assert joiner["joining"] and not any(r["joining"] for r in res.values())  # model.membership.joining
     members = survivors + [P]
     for r, x in res.items():
         assert x["discarded"] == [kill_step], x["discarded"]  # the failure's step only: the join costs none

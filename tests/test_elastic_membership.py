@@ -397,7 +397,7 @@ def _refusals(rank, P, port, out):
         except ValueError as e:
             errors[name] = str(e)
     model = bagua_lite.DistributedModel(net, opt, "gradient_allreduce")  # the default: no membership state
-    errors["default_has_no_controller"] = model._elastic is None
+    errors["default_has_no_controller"] = model._elastic is None and model.membership is None
     model.close()
     torch.save(errors, os.path.join(out, "refusals.pt"))
 

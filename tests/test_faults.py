@@ -4,6 +4,7 @@ The process groups here use torch's default 30-minute timeout where the point is
 (fail fast through the store), and a short one where a stopped (SIGSTOP) rank can only be detected by the
 timeout. Every survivor must raise, naming what failed, never hang.
 """
+import datetime
 import os
 import signal
 import threading
@@ -11,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import bagua_lite
@@ -51,46 +53,72 @@ def _step(model, opt, rank, s):
     opt.zero_grad()
 
 
+def _tell_rank1(what, rank):
+    """A peer of rank 1 says it got this far (rank 1 waits for it in :func:`_peers_reached`)."""
+    dist.distributed_c10d._get_default_store().set(f"test_faults/{what}/{rank}", "1")
+
+
+def _peers_reached(what, P, wait_s=60):
+    """On rank 1, alive after its own failure: wait until every peer said ``what``; whether they all did.
+
+    A peer that would only raise once rank 1's process ends, or once the group's timeout (30 min) passes,
+    never says it while rank 1 waits here, so this proves the fail-fast path without timing anything;
+    ``wait_s`` only bounds the wait in that case, so that the test fails instead of hanging."""
+    keys = [f"test_faults/{what}/{r}" for r in range(P) if r != 1]
+    try:
+        dist.distributed_c10d._get_default_store().wait(keys, datetime.timedelta(seconds=wait_s))
+    except RuntimeError:  # the store's wait timed out
+        return False
+    return True
+
+
 def _r_fail_alive(rank, P):
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     model = bagua_lite.DistributedModel(net, opt, build("fails_on_rank1_test"), bucket_size_mb=0.001)
-    t0 = None
+    t0, s = None, 0
     try:
         for s in range(6):
             t0 = time.monotonic()
             _step(model, opt, rank, s)
-        return ("no error", 0.0, "")
+        return ("no error", 0.0, "", "", s, None)
     except Exception as e:  # noqa: BLE001 - the user's "catch and carry on" pattern
         elapsed = time.monotonic() - t0
+        peers_raised = None
         if rank == 1:
-            time.sleep(6)  # stays alive (evaluation, logging...) well past the peers' error
+            peers_raised = _peers_reached("raised", P)  # stays alive (evaluation, logging...) meanwhile
+        else:
+            _tell_rank1("raised", rank)
         try:
             model(_batch(rank, 0)[0])
             after = "forward worked"
         except RuntimeError as again:
             after = str(again)
-        return (type(e).__name__, elapsed, str(e), after)
+        return (type(e).__name__, elapsed, str(e), after, s, peers_raised)
     finally:
         model.close()
 
 
 @pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
 def test_failure_on_a_live_rank_fails_every_peer_fast(P):
-    """torch's default timeout (30 min): the peers must raise within seconds, naming rank 1 and its op."""
+    """torch's default timeout (30 min): while rank 1 stays alive, every peer raises in the step rank 1
+    failed in, naming rank 1 and its op."""
     c = Cluster(P, timeout_s=1800)
     try:
         res = c.run(_r_fail_alive, timeout=60)
     finally:
         c.close()
-    what, elapsed, msg, after = res[1]
+    what, elapsed, msg, after, step, peers_raised = res[1]
     assert what == "RuntimeError" and "average_or_fail" in msg and "deliberate failure" in msg, res[1]
+    assert step == 2, res[1]
+    assert peers_raised, f"not every peer raised while rank 1 stayed alive: {res}"
     for r in set(range(P)) - {1}:
-        what, elapsed, msg, after = res[r]
+        what, elapsed, msg, after, step, _ = res[r]
         assert what == "PeerFailedError", (r, res[r])
-        assert elapsed < 5, f"rank {r} took {elapsed:.1f}s to learn of rank 1's failure"
+        assert step == 2, f"rank {r} raised in step {step}, not in step 2 where rank 1 failed"
         assert "rank 1:" in msg and "average_or_fail" in msg, (r, msg)
         assert "communication failed earlier" in after, (r, after)  # the model stays failed
+        print(f"P={P} rank {r}: PeerFailedError {elapsed:.2f} s into step 2")
 
 
 # ---- a live rank's failure in an algorithm's own communication (not its buckets) ---------------------
@@ -135,32 +163,38 @@ def _r_own_failure(rank, P, label):
         result = ("no error", time.time(), "")
     except Exception as e:  # noqa: BLE001 - the user's "catch and carry on" pattern
         result = (type(e).__name__, time.time(), str(e))
+    peers_closed = None
     if rank == 1:
-        time.sleep(4)  # stays alive (evaluation, logging...) well past the peers' error
+        # stays alive (evaluation, logging...), its model still open, until every peer has raised and closed
+        peers_closed = _peers_reached("closed", P)
     t0 = time.monotonic()
     model.close()
-    return result + (time.monotonic() - t0,)
+    close_s = time.monotonic() - t0
+    if rank != 1:
+        _tell_rank1("closed", rank)
+    return result + (close_s, peers_closed)
 
 
 @pytest.mark.parametrize("label", list(OWN))
 @pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
 def test_live_failure_in_an_algorithms_own_communication_fails_every_peer_fast(P, label):
     """torch's default timeout (30 min): a periodic average, a peer exchange, an exchange thread or a
-    background averaging thread fails on rank 1, which stays alive; every peer raises within seconds and
-    closes its model without waiting for the timeout either."""
+    background averaging thread fails on rank 1, which stays alive with its model open; every peer raises
+    and closes its model meanwhile, waiting neither for rank 1 nor for the timeout."""
     c = Cluster(P, timeout_s=1800)
     try:
         res = c.run(_r_own_failure, label, timeout=90)
     finally:
         c.close()
-    what, t_fail, msg, _ = res[1]
+    what, t_fail, msg, _, peers_closed = res[1]
     assert what in ("RuntimeError", "ValueError") and "deliberate failure" in msg, res[1]
+    assert peers_closed, f"not every peer raised and closed its model while rank 1 stayed alive: {res}"
     for r in set(range(P)) - {1}:
-        what, t_raise, msg, close_s = res[r]
+        what, t_raise, msg, close_s, _ = res[r]
         assert what == "PeerFailedError", (r, res[r])
-        assert t_raise - t_fail < 5, f"rank {r} took {t_raise - t_fail:.1f}s to learn of rank 1's failure"
         assert "rank 1:" in msg and "deliberate failure" in msg, (r, msg)
-        assert close_s < 5, f"rank {r}: close() took {close_s:.1f}s"
+        print(f"P={P} {label} rank {r}: raised {t_raise - t_fail:.2f} s after rank 1's failure, "
+              f"close() {close_s:.2f} s")
 
 
 # ---- a killed or stopped peer, under every algorithm that communicates each step ----------------------
@@ -209,9 +243,10 @@ def _r_peer_fault(rank, P, label, victim, how, timeout_s):
 @pytest.mark.parametrize("how", ["kill", "sigstop"])
 @pytest.mark.parametrize("P", (3, 4), ids=lambda p: f"P{p}")
 def test_killed_or_stopped_peer_every_algorithm(P, how):
-    """Survivors raise within the group's timeout + 10 s for every algorithm; 0 hangs."""
+    """Survivors raise for every algorithm; 0 hangs (a survivor still training 12 s past the group's timeout,
+    or not answering the harness, counts as hung)."""
     pg_timeout, victim = 3, P - 1
-    hung, slow = [], []
+    hung, raised_after = [], []
     for label in EVERY:
         c = Cluster(P, timeout_s=pg_timeout)
         try:
@@ -228,13 +263,13 @@ def test_killed_or_stopped_peer_every_algorithm(P, how):
                 what, elapsed, msg = survivors[r]
                 if what != "raised":
                     hung.append((label, r, what))
-                elif elapsed > pg_timeout + 10:
-                    slow.append((label, r, round(elapsed, 1)))
+                else:
+                    raised_after.append((label, r, round(elapsed, 1)))
         finally:
             if how == "sigstop":
                 for p in c._procs:
                     if p.is_alive():
                         os.kill(p.pid, signal.SIGKILL)
             c.close()
+    print(f"P={P} {how}, group timeout {pg_timeout} s: survivors raised after (s): {raised_after}")
     assert not hung, f"survivors that did not raise: {hung}"
-    assert not slow, f"survivors slower than timeout + 10 s: {slow}"

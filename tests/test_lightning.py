@@ -220,7 +220,7 @@ def _r_matrix(rank, world_size, labels, root):
             ckpt_dir = os.path.join(root, label)
             straight, trainer = _lightning(rank, label, root, ckpt_dir=ckpt_dir, dropout=0.2)
             model = trainer.strategy._last_model
-            res["closed"] = model._hooks == [] and model not in bagua_lite.distributed._LIVE
+            res["closed"] = model._hooks == [] and model not in bagua_lite.step_hooks._LIVE
             first = os.path.join(ckpt_dir, f"epoch=0-step={BATCHES}.ckpt")
             resumed, _ = _lightning(rank, label, root, ckpt_path=first, dropout=0.2)
             res["resume"] = _compare(resumed, straight)

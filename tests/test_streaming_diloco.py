@@ -4,7 +4,6 @@ with plain torch: per-fragment anchors and outer optimizers, fragment f syncing 
 3 or more ranks the ring's rounding depends on the piece), the result merged tau steps later as
 alpha * x + (1 - alpha) * theta.
 Checkpoints taken while a sync is in flight resume bit for bit; ranks out of step raise on every rank."""
-import sys
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.nn.functional as F
 
 import bagua_lite
 from bagua_lite.algorithms import build
+from bagua_lite.algorithms.parts.streaming import split
 from test_diloco import _average_in_pieces as _pieces
 
 H = 4
@@ -34,7 +34,7 @@ def _flat(params):
 
 
 def _split(params, fragments):
-    return sys.modules[type(build("diloco")).__module__.rsplit(".", 1)[0] + "._streaming"].split(params, fragments)
+    return split(params, fragments)
 
 
 OUTER = {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True}

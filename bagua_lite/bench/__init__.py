@@ -4,6 +4,7 @@
 ``cells``    one cell's model: ours, a DDP baseline or torchft's DiLoCo (optional)
 ``runner``   launches the ranks (one network namespace each on emulated links), times the cells, shows
              progress (cell i/N, time left)
+``timing``   one cell's seconds per step on a rank (the throughput mode's and project_time's timing runs)
 ``convergence`` time to a held-out target (and project_time's timing runs)
 ``report``   summary rows, tables, projections, JSON/CSV and plots
 ``zoo``      the models it trains (real architectures in plain torch.nn) and ``data`` their batches

@@ -1,10 +1,16 @@
 """One benchmark cell's model: ours (a DistributedModel), a PyTorch DDP baseline, or torchft's DiLoCo,
 with its optimizer."""
 import datetime
+import logging
 import os
 import socket
 
-from .config import BASELINES, HOOK_BASELINES, hook_state, make_optimizer, optimizer_momentum
+import bagua_lite
+
+from ..algorithms import build
+from ..algorithms.diloco import DEFAULT_OUTER, outer_optimizer_class
+from .config import (BASELINES, HOOK_BASELINES, hook_state, make_optimizer, optimizer_momentum,
+                     torchft_available)
 
 
 def wrap(cell, cfg, net):
@@ -13,13 +19,9 @@ def wrap(cell, cfg, net):
     The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm given its own
     (gtopk/topk with a number ``momentum_correction``, see ``optimizer_momentum``). The handle is set for
     a baseline that needs closing or that is periodic (``torchft_diloco``: ``.cycle``, ``.close()``)."""
-    import bagua_lite
-
     name, options = cell["name"], cell["options"]
     kind = cell.get("optimizer", "sgd")
     if name not in BASELINES:
-        from bagua_lite.algorithms import build
-
         algorithm = build(name, **options)
         opt = make_optimizer(kind, net.parameters(), cfg.get("lr"), optimizer_momentum(algorithm))
         # Every rank built the same seeded model, so the start-up broadcast (DDP always does one; neither
@@ -63,17 +65,6 @@ def tx_bytes():
 
 
 # ---- torchft's DiLoCo, the optional baseline ----------------------------------------------------------------------
-def torchft_available():
-    """(True, "") when torchft imports, else (False, why)."""
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
-    try:
-        import torchft  # noqa: F401
-        import torchft.local_sgd  # noqa: F401
-    except Exception as e:  # noqa: BLE001  (ImportError, or a missing dependency of torchft's own)
-        return False, f"{type(e).__name__}: {e}"
-    return True, ""
-
-
 def own_address():
     """The address the other ranks reach this rank at: the launcher's ``BAGUA_LITE_BENCH_ADDR`` (an emulated
     link's namespace address, or 127.0.0.1), else this host's name resolved (under torchrun)."""
@@ -132,13 +123,9 @@ class TorchftDiLoCo:
         ok, why = torchft_available()
         if not ok:
             raise RuntimeError(f"torchft_diloco: torchft does not import ({why})")
-        from torchft import Manager, ProcessGroupGloo
-        from torchft._torchft import LighthouseServer
-        from torchft.local_sgd import DiLoCo
-
-        from ..algorithms.diloco import DEFAULT_OUTER, outer_optimizer_class
-
-        import logging
+        from torchft import Manager, ProcessGroupGloo  # lazy: torchft is optional
+        from torchft._torchft import LighthouseServer  # lazy: torchft is optional
+        from torchft.local_sgd import DiLoCo  # lazy: torchft is optional
 
         # its manager warns at every new quorum that it cannot reset NCCL's flight recorder (CPU: none)
         logging.getLogger("torchft.manager").setLevel(logging.ERROR)

@@ -70,11 +70,17 @@ The throughput-only keys (``steps``, ``min_cell_s``, ``warmup_steps``, ``straggl
 ``floor_each_cell``, ``repeats``) are
 refused in convergence mode, and the convergence keys in throughput mode.
 """
+import difflib
 import os
 
 import yaml
 
-from .zoo import MODELS
+from .. import algorithms  # noqa: F401  (registers built-ins)
+from .. import hooks
+from ..algorithm import build
+from ..algorithms.diloco import outer_optimizer_class
+from ..config import shipped_configs, shipped_path
+from . import netem, zoo
 
 # DDP with one of bagua_lite.hooks' communication hooks: name -> (hook, its state's one option)
 HOOK_BASELINES = {"ddp_topk_hook": ("topk_hook", "density"), "ddp_gtopk_hook": ("gtopk_hook", "density"),
@@ -96,10 +102,6 @@ CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch
 # ---- configuration -----------------------------------------------------------------------------------------
 def load_benchmark_config(path):
     """Read and check a benchmark config: a file, or a shipped one by name (``benchmark_lm``)."""
-    import difflib
-
-    from ..config import shipped_configs, shipped_path
-
     if not os.path.isfile(path):
         shipped = shipped_path(path, benchmark=True)
         if shipped is None:
@@ -169,13 +171,11 @@ def load_benchmark_config(path):
             raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
     skipped = []  # one-line notes: optional rows and models whose package is not installed
     for m in out["models"]:
-        if m not in MODELS:
-            raise ValueError(f"benchmark config: unknown model {m!r}; known: {', '.join(MODELS)}")
-    from .zoo import optional_model_missing
-
+        if m not in zoo.MODELS:
+            raise ValueError(f"benchmark config: unknown model {m!r}; known: {', '.join(zoo.MODELS)}")
     models = []
     for m in out["models"]:
-        why = optional_model_missing(m)
+        why = zoo.optional_model_missing(m)
         if why:
             skipped.append(f"model {m} skipped: {why}")
         else:
@@ -183,15 +183,10 @@ def load_benchmark_config(path):
     if not models:
         raise ValueError("benchmark config: no model left to run (" + "; ".join(skipped) + ")")
     out["models"] = models
-    from . import netem
-
     for n in out["networks"]:
         if n not in netem.NETWORKS:
             raise ValueError(f"benchmark config: unknown network {n!r}; known: {', '.join(netem.NETWORKS)}")
     algs = []
-    from .. import algorithms  # noqa: F401  (registers built-ins)
-    from ..algorithm import build
-
     for entry in out.get("algorithms") or []:
         entry = {"name": entry} if isinstance(entry, str) else dict(entry)
         label = entry.pop("label", None)
@@ -205,8 +200,6 @@ def load_benchmark_config(path):
             entry.setdefault("rank", 4)
         elif name == "torchft_diloco":
             _check_torchft(entry)
-            from .cells import torchft_available
-
             ok, why = torchft_available()
             if not ok:
                 skipped.append(f"{label or _label(name, entry, optimizer)} skipped: torchft is not installed ({why}; "
@@ -232,14 +225,23 @@ def load_benchmark_config(path):
 def hook_state(name, options):
     """(state, hook) of a ``HOOK_BASELINES`` row: DDP + ``bagua_lite.hooks.<hook>`` with its state built from
     the row's one option (``density`` for the sparse hooks, ``compression`` for compressed_hook)."""
-    from .. import hooks
-
     hook, key = HOOK_BASELINES[name]
     extra = sorted(set(options) - {key})
     if extra:
         raise ValueError(f"benchmark config: {name} has no option {extra[0]!r}; allowed: {key}")
     state = (hooks.SparseState if key == "density" else hooks.CompressedState)(**options)
     return state, getattr(hooks, hook)
+
+
+def torchft_available():
+    """(True, "") when torchft imports, else (False, why)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
+    try:
+        import torchft  # noqa: F401  (lazy: torchft is optional)
+        import torchft.local_sgd  # noqa: F401  (lazy: torchft is optional)
+    except Exception as e:  # noqa: BLE001  (ImportError, or a missing dependency of torchft's own)
+        return False, f"{type(e).__name__}: {e}"
+    return True, ""
 
 
 def _check_torchft(options):
@@ -260,8 +262,6 @@ def _check_torchft(options):
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not 0 <= alpha <= 1:
         raise ValueError(f"benchmark config: torchft_diloco: fragment_update_alpha must be in [0, 1], got {alpha!r}")
     if "outer_optimizer" in options:
-        from ..algorithms.diloco import outer_optimizer_class
-
         outer_optimizer_class(options["outer_optimizer"], "benchmark config: torchft_diloco")
 
 

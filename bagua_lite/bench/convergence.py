@@ -23,9 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import comm
 from .cells import tx_bytes, wrap
 from .config import BASELINES
-from .data import evaluate, loss_fn, make_task
+from .data import evaluate, loss_fn, make_batches, make_task
+from .timing import time_cell
 from .zoo import fresh_model
 
 
@@ -60,7 +62,6 @@ def run_cell(cell, cfg, model_name, task, rank, world):
     model, wrapper, opt, handle = wrap(cell, cfg, net)
     metric, target = cfg["metric"], cfg["target"]
     task.reset()
-    from .. import comm
 
     def evaluation():
         average_replicas(net, eval_net)
@@ -143,15 +144,12 @@ def worker(cfg, network, rank, world, emit):
 
 def timing_worker(cfg, network, rank, world, emit):
     """``project_time``: the seconds per step of every cell on this (throttled) network, measured as the
-    throughput mode measures them (``runner._run_cell``: a barrier per step, the slowest rank's time, whole
+    throughput mode measures them (``timing.time_cell``: a barrier per step, the slowest rank's time, whole
     cycles of a periodic algorithm, at least two), over ``timing_steps`` steps after
     ``timing_warmup_steps``. An algorithm with a ``warmup_steps`` option > 0 is timed in both of its phases
     (the record's ``phases``: ``warmup`` and ``after``). Synthetic batches of the model's shape: what the batches hold does not change
     a step's time. The steps to target come from the loopback run (``report.project_rows``). With
     ``timing_repeats`` R the whole list runs R times in a row (A B C A B C), each record marked ``repeat``."""
-    from .data import make_batches
-    from .runner import _run_cell
-
     tcfg = {**cfg, "steps": cfg["timing_steps"], "warmup_steps": cfg["timing_warmup_steps"],
             "max_steps": cfg["timing_steps"], "min_cell_s": 0.0}
     for model_name in cfg["models"]:
@@ -165,11 +163,11 @@ def timing_worker(cfg, network, rank, world, emit):
                 # two phases, each timed on its own: the warm-up (dense: the same algorithm with a warm-up
                 # that outlasts the timing run) and what follows it (the same algorithm without warm-up)
                 for phase, w in (("warmup", 10 ** 9), ("after", 0)):
-                    res = _run_cell({**cell, "options": {**cell["options"], "warmup_steps": w}}, tcfg, model_name,
+                    res = time_cell({**cell, "options": {**cell["options"], "warmup_steps": w}}, tcfg, model_name,
                                     batches, rank, world)
                     phases[phase] = {k: res[k] for k in ("times", "cycle", "bytes", "tx_bytes")}
             else:
-                res = _run_cell(cell, tcfg, model_name, batches, rank, world)
+                res = time_cell(cell, tcfg, model_name, batches, rank, world)
             emit({"kind": "timing", "network": network, "world_size": world, "model": model_name,
                   "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                   "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],

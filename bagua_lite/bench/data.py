@@ -68,7 +68,7 @@ class Task:
 
 def digits_shards(rank, world_size, seed=0):
     """The digits data set (ships with scikit-learn), 80/20 split, training set sharded by rank."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # lazy: scikit-learn is optional (the test extra)
 
     x, y = load_digits(return_X_y=True)
     x = torch.tensor(x, dtype=torch.float32) / 16.0

@@ -5,6 +5,7 @@ import os
 import statistics
 import sys
 
+from .. import cost_model
 from .config import BASELINES, HOOK_BASELINES, STRAGGLER_RANK
 
 
@@ -204,8 +205,6 @@ def auto_report(rows, out=sys.stdout):
 
 
 def projection_report(records, world_sizes, out=sys.stdout):
-    from .. import cost_model
-
     nets = {(r["network"], r["world_size"]): r for r in records if r["kind"] == "network"}
     floors = {(r["network"], r["world_size"], r["model"]): r for r in records if r["kind"] == "floor"}
     algs = {}
@@ -219,7 +218,7 @@ def projection_report(records, world_sizes, out=sys.stdout):
         net = cost_model.Network(alpha=nr["alpha"], beta=nr["beta"])
         machine = cost_model.Machine(**nr["machine"])
         work = cost_model.Workload(numel=fl["numel"], compute_s=fl["step_s"], bucket_numels=fl.get("bucket_numels"))
-        cands = [(n, o) for n, o in algs.values() if n in cost_model.PREDICTABLE]
+        cands = [(n, o) for n, o in algs.values() if cost_model.predictable(n)]
         proj = cost_model.project(cands, world_sizes, work, net, machine)
         print(f"\nprojection for {model} on {network} (alpha={net.alpha * 1e6:.1f} us, "
               f"beta={1 / max(net.beta, 1e-30) * 8 / 1e9:.2f} Gbit/s, compute {fl['step_s']:.3f} s, measured at P={P}):",
@@ -262,10 +261,10 @@ def _write_results(out_dir, payload, rows, fields):
 def _pyplot():
     """matplotlib.pyplot on the Agg backend, or None (and a note) when matplotlib is not installed."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib is optional (the benchmark extra)
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib is optional
     except ImportError:
         print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
         return None

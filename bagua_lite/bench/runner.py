@@ -60,7 +60,6 @@ straggler condition, with the same optimizer if the matrix has such a DDP row, e
 """
 import argparse
 import datetime
-import gc
 import json
 import os
 import socket
@@ -69,127 +68,20 @@ import subprocess
 import sys
 import time
 
-from .cells import tx_bytes as _tx_bytes
-from .cells import wrap
-from .config import STRAGGLER_RANK, load_benchmark_config, make_optimizer
+from .. import cost_model, runtime
+from ..bucket import plan_model_buckets
+from . import convergence, netem
+from .config import load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
-from .report import (auto_convergence_report, auto_report, combine_seeds, convergence_figures, cycle_median,
+from .report import (auto_convergence_report, auto_report, combine_seeds, convergence_figures,
                      print_convergence_table,
                      print_table, projection_report, summarize, summarize_convergence, write_convergence_outputs,
                      write_outputs)
+from .timing import time_cell
 from .zoo import fresh_model
 
 
 # ---- one rank -----------------------------------------------------------------------------------------------
-def _run_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
-    """Train ``model_name`` with one algorithm; returns per-step times (every rank's) and counters.
-
-    ``straggler="half"``: rank ``STRAGGLER_RANK`` sleeps, at the start of each step, for as long as its
-    previous step's own work took (see the module docstring). An asynchronous algorithm runs a fixed
-    number of steps with no per-step collective and exchanges the step times once, at the end.
-    """
-    import torch
-    import torch.distributed as dist
-
-    from bagua_lite import comm
-
-    gc.collect()  # the previous cell's model, buffers and DDP reducer are gone before this one is timed
-    net, _ = fresh_model(model_name)
-    name = cell["name"]
-    model, wrapper, opt, handle = wrap(cell, cfg, net)
-    ours = wrapper is not None
-    asynchronous = ours and bool(getattr(wrapper.algorithm, "asynchronous", False))
-    slow = straggler == "half" and rank == STRAGGLER_RANK
-    times, losses, waits, busy, sent, tx = [], [], [], [], [], []
-    rank_times = [[] for _ in range(world)]  # rank_times[r]: rank r's own measured step times
-    own = []  # this rank's (asynchronous: exchanged after the last step)
-    warm = cfg["warmup_steps"]
-    if ours and name == "auto":
-        # timed from the second step of its pick: the probe steps and the switch are set-up, as
-        # start_powerSGD_iter is for the PowerSGD baseline
-        warm = max(warm, int(wrapper.configured_algorithm.probe_steps) + 1)
-    cycle, measure, most = 1, cfg["steps"], cfg["max_steps"]
-    step = 0
-    pending_sleep = 0.0  # the straggler's sleep for its previous step, taken at the start of the next
-    if asynchronous:
-        dist.barrier()  # the ranks start the cell together; no collective of ours after this until the end
-    while step < warm + measure:
-        if step == warm and (ours or handle is not None):
-            # A periodic relaxation (local SGD, decentralized with an interval, torchft's DiLoCo) is timed
-            # over whole cycles, at least two; the summary averages within a cycle and takes the median across.
-            cycle = max(1, int(wrapper.algorithm.cycle if ours else handle.cycle))
-            measure = max(measure, 2 * cycle)
-            measure = -(-measure // cycle) * cycle
-            most = max(measure, most // cycle * cycle)
-            if asynchronous:
-                # no rank can tell when the others have measured enough: a fixed count, the same on all
-                measure = most
-        x, y = batches[step % len(batches)]
-        if not asynchronous:
-            dist.barrier()
-        comm.reset_traffic()
-        tx0 = _tx_bytes()
-        wait0 = wrapper.timings["backward_wait_s"] if ours else 0.0
-        if ours:
-            wrapper._engine.reset_stats()
-        t0 = time.perf_counter()
-        if pending_sleep:
-            time.sleep(pending_sleep)
-        t_work = time.perf_counter()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        t1 = time.perf_counter()
-        dt = t1 - t0
-        if slow:
-            pending_sleep = t1 - t_work  # this step's own compute + communication, without the sleep
-        if step >= warm:
-            if asynchronous:
-                own.append(dt)
-            else:
-                # Every rank's time of this step, known to every rank, so that all of them agree on
-                # when the cell has measured enough (the slowest rank's time decides).
-                per = torch.zeros(world, dtype=torch.float64)
-                per[rank] = dt
-                dist.all_reduce(per)
-                for r, t in enumerate(per.tolist()):
-                    rank_times[r].append(t)
-                times.append(max(per.tolist()))
-            losses.append(float(loss.detach()))
-            if ours:
-                waits.append(wrapper.timings["backward_wait_s"] - wait0)
-                busy.append(wrapper._engine.stats()["busy_seconds"])
-            sent.append(comm.bytes_sent())
-            tx1 = _tx_bytes()
-            tx.append(None if tx0 is None else tx1 - tx0)
-        step += 1
-        # Cheap cells measure more steps (at least min_cell_s of measured time, whole cycles, at most
-        # max_steps), so that their medians are as steady as those of the slow cells.
-        if (not asynchronous and step == warm + measure and measure + cycle <= most
-                and sum(times) < cfg["min_cell_s"]):
-            measure += cycle
-    if asynchronous:
-        # One exchange after the cell (every rank measured the same number of steps): rank r's row.
-        per = torch.zeros(world, len(own), dtype=torch.float64)
-        per[rank] = torch.tensor(own, dtype=torch.float64)
-        dist.all_reduce(per)
-        rank_times = per.tolist()
-        # The cell's step time is the slowest rank's (the one with the largest median); ranks' steps are
-        # not aligned, so a per-step maximum would mean nothing.
-        times = max(rank_times, key=lambda ts: cycle_median(ts, cycle))
-    picked = None
-    if ours:
-        picked = getattr(wrapper.configured_algorithm, "picked", None)
-        picked = repr(picked) if picked is not None else None
-        wrapper.close()  # on every rank: an asynchronous algorithm ends its background work collectively
-    if handle is not None:
-        handle.close()
-    return {"times": times, "rank_times": rank_times, "loss": losses[-1] if losses else float("nan"),
-            "waits": waits, "busy": busy, "bytes": sent, "tx_bytes": tx, "picked": picked, "cycle": cycle,
-            "asynchronous": asynchronous}
-
-
 def _compute_floor(model_name, batches, cfg):
     """Per-step time with no communication at all (every rank computing at once, as in training)."""
     import torch
@@ -224,7 +116,6 @@ def worker_main(cfg, network, result_path, phase="run"):
     import torch.distributed as dist
 
     torch.set_num_threads(int(os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")))
-    from .. import runtime
     # Before anything is measured: the floor, the DDP baselines and our algorithms share one allocator.
     tuned = runtime.tune_cpu_allocator()
     owned = not dist.is_initialized()
@@ -238,8 +129,6 @@ def worker_main(cfg, network, result_path, phase="run"):
                 f.write(json.dumps(record) + "\n")
 
     if cfg["mode"] == "convergence":
-        from . import convergence
-
         if phase == "timing":  # project_time: s/step on this network; the steps come from loopback
             convergence.timing_worker(cfg, network, rank, world, emit)
         else:
@@ -247,8 +136,6 @@ def worker_main(cfg, network, result_path, phase="run"):
         if owned:
             dist.destroy_process_group()
         return
-    from .. import cost_model
-
     net = cost_model.probe_network()
     machine = cost_model.calibrate_machine()
 
@@ -260,7 +147,7 @@ def worker_main(cfg, network, result_path, phase="run"):
         numel = sum(p.numel() for p in model0.parameters())
         batches = make_batches(spec, cfg["batch_size"], cfg["warmup_steps"] + cfg["max_steps"], rank)
         floor = _compute_floor(model_name, batches, cfg)
-        from ..bucket import plan_model_buckets  # the buckets DistributedModel will make
+        # the buckets DistributedModel will make
         bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
         emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
               "step_s": floor, "bucket_numels": bucket_numels})
@@ -269,7 +156,7 @@ def worker_main(cfg, network, result_path, phase="run"):
                                         for s in cfg["stragglers"] for c in cfg["algorithms"]]:
             # the floor next to this cell in time (floor_each_cell), or the model's
             cell_floor = _compute_floor(model_name, batches, cfg) if cfg["floor_each_cell"] else floor
-            res = _run_cell(cell, cfg, model_name, batches, rank, world, straggler)
+            res = time_cell(cell, cfg, model_name, batches, rank, world, straggler)
             work = cost_model.Workload(numel=numel, compute_s=cell_floor, bucket_numels=bucket_numels)
             if straggler != "none":
                 pred = {"skipped": "the cost model knows no stragglers"}
@@ -330,8 +217,6 @@ def plan_cells(cfg, networks):
 def launches(cfg, networks):
     """[(phase, networks)]: what runs where. project_time: every cell trains on loopback, then timing runs
     on each throttled network; otherwise every cell runs on every network."""
-    from . import netem
-
     if cfg["mode"] == "convergence" and cfg.get("project_time"):
         throttled = [n for n in networks if netem.NETWORKS[n] is not None]
         return [("run", ["loopback"])] + ([("timing", throttled)] if throttled else [])
@@ -405,8 +290,6 @@ class Progress:
 
 def launch(cfg, config_path, network, world_size, result_path, progress, phase="run"):
     """Start ``world_size`` workers for one network condition; wait, showing progress."""
-    from . import netem
-
     threads = os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")
     env_base = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
                     BAGUA_LITE_BENCH_NETWORK=network, OMP_NUM_THREADS=threads,
@@ -498,8 +381,6 @@ def main(argv=None):
             return
         records = _read(path)
     else:
-        from . import netem
-
         networks = list(cfg["networks"])
         if any(netem.NETWORKS[n] is not None for n in networks):
             ok, why = netem.available()

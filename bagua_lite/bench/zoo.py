@@ -202,8 +202,8 @@ class HFGPT2(nn.Module):
 
     def __init__(self, vocab: int = 256, seq_len: int = 64, d_model: int = 256, layers: int = 4, heads: int = 4):
         super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-        from transformers.utils import logging as hf_logging
+        from transformers import GPT2Config, GPT2LMHeadModel  # lazy: transformers is optional
+        from transformers.utils import logging as hf_logging  # lazy: transformers is optional
 
         hf_logging.set_verbosity_error()
         config = GPT2Config(vocab_size=vocab, n_positions=seq_len, n_embd=d_model, n_layer=layers, n_head=heads,

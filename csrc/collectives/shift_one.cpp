@@ -1,4 +1,4 @@
-// The shift_one peer schedule of decentralized SGD (algorithms/_peers.py): pairs from a round-robin
+// The shift_one peer schedule of decentralized SGD (algorithms/parts/peers.py): pairs from a round-robin
 // schedule that rotates with each exchange. For odd P one rank sits each exchange out, so every P
 // exchanges everyone has met everyone. The exchange itself runs in Python over torch.distributed.
 #include "collectives/collectives.h"

@@ -9,19 +9,22 @@ Per bucket and step (flat gradient g of n elements, k = density * n):
     aggregate(V, I, acc, g)      (the subclass: how the selection travels; writes the average into g
                                   and removes what was sent from acc, which becomes the residual)
 
-The parts: the memory (residual, u, their working copies for a round that may be discarded): ``_feedback``;
+The parts: the memory (residual, u, their working copies for a round that may be discarded): ``parts.feedback``;
 which entries (density schedule, segments, a top-k reading only the blocks of 64 that can hold it):
-``_selection``; momentum correction (DGC's, the default with SGD momentum: the optimizer's own suspended in
-its step, which applies the sparse update at the k entries written): ``_momentum``.
+``parts.selection``; momentum correction (DGC's, the default with SGD momentum: momentum applied before the
+selection, and the update applied by the algorithm at the k entries written, in the optimizer's place):
+``parts.momentum``.
 """
 from typing import List, Sequence
+
+import torch
 
 from bagua_lite import kernels
 from bagua_lite.algorithm import Algorithm
 
-from . import _momentum, _selection
-from . import _sparse_traffic as _traffic
-from ._feedback import SparseMemory
+from . import momentum as _momentum, selection as _selection
+from . import sparse_traffic as _traffic
+from .feedback import SparseMemory
 
 
 class ErrorFeedbackSparsifier(Algorithm):
@@ -69,6 +72,9 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._written, self._round_written = [None] * len(model.buckets), [None] * len(model.buckets)
 
     # ---- the optimizer's side: momentum correction and the sparse step (_momentum) ------------------------
+    def before_forward(self):
+        self._correction.restore()  # the .grad hidden by a step whose update raised (no after_step)
+
     def before_step(self):
         self._correction.before_step(self._written)
 
@@ -125,14 +131,15 @@ class ErrorFeedbackSparsifier(Algorithm):
         def sparsify_and_aggregate(flat, b=bucket):
             acc = self.memory.acc[b.index]  # gradient + old residual (on_gradient)
             values, indices = self.selection.select(acc, b, self.current_density())
-            self.aggregate(values, indices, acc, flat, b)
-            self._round_written[b.index], self._written[b.index] = self._written[b.index], None
+            self._round_written[b.index] = self.aggregate(values, indices, acc, flat, b)
+            self._written[b.index] = None
         sparsify_and_aggregate.__name__ = f"{self.name}_bucket{bucket.index}"
         return [sparsify_and_aggregate]
 
-    def aggregate(self, values, indices, acc, flat, bucket) -> None:
+    def aggregate(self, values, indices, acc, flat, bucket) -> torch.Tensor:
         """Exchange the selection, write the averaged sparse gradient into ``flat`` (``clear_result``
-        first), remove what was sent from ``acc`` (the rest stays as the residual)."""
+        first), remove what was sent from ``acc`` (the rest stays as the residual); return the indices the
+        result wrote (the next step clears only those)."""
         raise NotImplementedError
 
     def commit_round(self):

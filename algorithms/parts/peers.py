@@ -1,5 +1,5 @@
 """Who a rank exchanges weights with in decentralized SGD, how a message gets there, and the cost model's
-view of one exchange (``degree``, ``traffic``). Used by ``_gossip.Gossip``.
+view of one exchange (``degree``, ``traffic``). Used by ``parts.gossip.Gossip``.
 
 Peers: ``ring`` (both neighbours), ``ring_one_way`` (send to the right, receive from the left), ``shift_one``
 (one partner that rotates each exchange; odd P: one rank sits out), ``all`` (everyone, by collectives).

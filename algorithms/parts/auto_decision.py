@@ -37,7 +37,7 @@ def check_candidates(candidates):
         if name in NOT_CANDIDATES or name not in registered() or not cost_model.predictable(name):
             raise ValueError(f"auto: candidate {name!r} is not allowed: a candidate is a registered algorithm "
                              f"that describes its traffic (Algorithm.traffic), such as "
-                             + ", ".join(n for n in cost_model.PREDICTABLE if n not in NOT_CANDIDATES))
+                             + ", ".join(n for n in cost_model.predictable_names() if n not in NOT_CANDIDATES))
         build(name, **opts)
     return candidates
 

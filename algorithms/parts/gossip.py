@@ -7,7 +7,7 @@
 The step count is ``bagua_lite.agreement``'s (step, -step) pair: in one MAX allreduce under ``all``, else a
 16-byte message to each peer posted ahead of the data (point to point, there is no collective to ride in).
 
-Who the peers are and how a message reaches them: ``_peers.Peers``.
+Who the peers are and how a message reaches them: ``parts.peers.Peers``.
 """
 import threading
 
@@ -19,7 +19,7 @@ from bagua_lite._worker import Worker
 from bagua_lite.algorithm import Algorithm
 from bagua_lite.bucket import FlatWeights
 
-from ._peers import Peers, check_selection
+from .peers import Peers, check_selection
 
 STEP_TAG = 1 << 24  # p2p tag of the step count that travels with each exchange (data tags are indices)
 
@@ -74,7 +74,7 @@ class Gossip(Algorithm):
         so nothing is rolled back), and every survivor takes the furthest survivor's step and exchange counts
         (one behind skips its missing local steps), so their exchanges pair up again."""
         self._drop_exchange()
-        rows = self.model._gather_ints([self.step, self.exchanges])
+        rows = self.model.membership.gather_ints([self.step, self.exchanges])
         self.step, self.exchanges = max(r[0] for r in rows), max(r[1] for r in rows)
 
     def regroup(self):
@@ -96,7 +96,7 @@ class Gossip(Algorithm):
 
     # ---- one exchange: started when forward starts, applied after the optimizer step ----------------------
     def before_forward(self):
-        if self.model._elastic is not None and self.model._elastic.pending is not None:
+        if self.model.membership is not None and self.model.membership.changing:
             return  # a discarded step (a peer was lost): it exchanges nothing
         if self._works is not None or not torch.is_grad_enabled() or self.world_size == 1 \
                 or (self.step + 1) % self.communication_interval:

@@ -1,11 +1,11 @@
-"""Which entries a Top-k or gTop-k bucket sends (``_sparse``): the density schedule, the selection's
+"""Which entries a Top-k or gTop-k bucket sends (``parts.sparse``): the density schedule, the selection's
 segments, and the top-k itself.
 
 Density: each of ``warmup_densities`` for ``warmup_steps_per_stage`` steps, then ``density``. A bucket's
 selection is one top-k over the whole bucket, or with ``layerwise`` (DGC's) one per non-empty tensor;
 segment i of n_i entries selects k_i = round(density * n_i), at least 1.
 
-The pass that writes the accumulator (``_sparse``'s on_gradient) also leaves the largest magnitude of
+The pass that writes the accumulator (``parts.sparse``'s on_gradient) also leaves the largest magnitude of
 every 64 entries (block maxima), so the selection reads only the ~k blocks that can hold the top k, not
 the whole bucket: exactly the same selection (mlp25m, P = 4, loopback: topk's selections took 9-10 ms of
 CPU per rank and step, now 2.6-2.8). Not with layer-wise segments (they do not align with the blocks).

@@ -1,4 +1,4 @@
-"""The error-feedback memory of Top-k and gTop-k (``_sparse``; GRACE's "memory"): per bucket the residual
+"""The error-feedback memory of Top-k and gTop-k (``parts.sparse``; GRACE's "memory"): per bucket the residual
 (what was not sent yet) and, with momentum correction, the momentum u.
 
 As autograd produces each gradient g of a tensor, one pass writes the working copies:

@@ -1,0 +1,164 @@
+"""The bucketing scheduler: a DistributedModel's backward, from each ready gradient to the results in ``.grad``.
+
+1. As each parameter's gradient is accumulated, its post-accumulate-grad hook hands it to the algorithm
+   (``on_gradient``: into its bucket slot), makes ``.grad`` a view of the slot and marks it ready. The
+   moment the *next bucket in order* is complete it goes to the C++ engine, whose worker thread runs that
+   bucket's ops while autograd goes on with earlier layers. Buckets go in one fixed order on every rank, so
+   collectives always match across ranks.
+2. At the end of backward (an autograd engine callback armed when backward reaches the forward's output),
+   buckets not yet handed over are submitted (parameters that got no gradient contribute zeros, so every
+   rank runs every bucket), the scheduler waits for the engine, and the ranks agree on the round
+   (:class:`bagua_lite.agreement.RoundAgreement`).
+This is where a device's stream handoff belongs: a bucket's gradients are complete on the compute stream
+when it is submitted, and its results are complete when the wait returns.
+"""
+import functools
+import time
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from . import _C, _compat
+from ._failfast import PeerFailedError
+
+
+class Scheduler:
+    """DistributedModel's part that runs the buckets during backward (a mixin: it shares the model's state)."""
+
+    @torch.compiler.disable
+    def _post_forward(self, out):
+        if torch.is_grad_enabled() and self._sync_enabled:
+            # Arm the end-of-backward callback as soon as backward reaches the output, so a rank whose
+            # parameters get no gradient at all still runs every bucket (and its peers do not hang).
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._on_output_grad, node=t.grad_fn))
+
+    def _on_output_grad(self, grad, node=None):
+        if self._elastic is not None and self._elastic.pending is not None:
+            return grad  # a discarded step (a peer was lost in its forward): nothing travels
+        if self._sync_enabled and self.algorithm.sync_gradients() and self._accumulates(node):
+            self._start_backward()
+        return grad
+
+    def _accumulates(self, node) -> bool:
+        """False during ``torch.autograd.grad`` (gradient penalties, saliency) and ``backward(inputs=...)``
+        that leaves our parameters out: like DDP they start no communication round and leave ``.grad``
+        alone. A ``backward()`` starts one, even when none of this rank's parameters takes part in it (they
+        contribute zeros, so the peers' collectives complete)."""
+        try:
+            if any(torch._C._will_engine_execute_node(get_gradient_edge(p).node) for p in self.params):
+                return True
+        except RuntimeError:  # torch refuses to answer for a leaf during autograd.grad()
+            return False
+        # No parameter accumulates: either none is in this graph (a backward() this rank's parameters sit
+        # out: run the round) or the backward skips them (autograd.grad w.r.t. inputs: do not).
+        mine, seen, stack = {id(p) for p in self.params}, set(), [node]
+        while stack:
+            n = stack.pop()
+            if n is None or n in seen:
+                continue
+            seen.add(n)
+            if id(getattr(n, "variable", None)) in mine:
+                return False
+            stack.extend(f for f, _ in n.next_functions)
+        return True
+
+    def _on_grad_ready(self, p):
+        if self._elastic is not None and self._elastic.pending is not None:
+            return  # a discarded step (a peer was lost in its forward): nothing travels
+        if not self._sync_enabled:
+            if not self._unsynced and self.algorithm.sync_gradients():
+                self._unsynced = True
+            return
+        if not self.algorithm.sync_gradients():
+            # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
+            if self._local_bad is None and p.grad is not None and not _C.all_finite(p.grad):
+                self._local_bad = p
+            return
+        self._start_backward()
+        bi, j = self._slot[p]
+        self._hand_over(self.buckets[bi], j, p)
+        if not self._marked[bi][j]:
+            self._marked[bi][j] = True
+            self._ready[bi] += 1
+        self._submit_ready()
+
+    def _start_backward(self):
+        if not self._backward_active:
+            if self.algorithm.step_dependent_wire:
+                # Sizes depend on the step: check it on the engine ahead of bucket 0, overlapped with
+                # backward. Otherwise the step count rides in the agreement after the buckets.
+                self._engine.submit(-1, self._no_tensor, [self._step_count_check])
+            self._backward_active = True
+            self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
+            self._nonfinite_error = None
+            self.algorithm.nonfinite_buckets.clear()
+            self.algorithm.kept_state.begin_round()  # register_state(rollback=True): before any bucket op runs
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _hand_over(self, b, j, p):
+        """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot. With a
+        loss scaler the algorithm gets the true gradient (one more pass: residuals, momenta and selections
+        then stay at one scale whatever the scaler does)."""
+        if self._round_scales is not None and p.grad is not None:
+            p.grad.mul_(self._round_scales[1])
+        self.algorithm.on_gradient(b, j, p.grad)
+        p.grad = b.view(j)
+
+    def _scaled(self, ops):
+        """``ops``, then the bucket back at the loss scaler's scale (``_hand_over`` unscaled what went in), so
+        ``.grad`` reaches the scaler's ``unscale_`` as it expects. Device tensors: no host synchronisation."""
+        if self._round_scales is None:
+            return ops
+        scale = self._round_scales[0]
+        return list(ops) + [lambda flat: flat.mul_(scale)]
+
+    def _submit_ready(self):
+        while self._next_bucket < len(self.buckets) and \
+                self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
+            b = self.buckets[self._next_bucket]
+            self._engine.submit(b.index, b.flat, self._scaled(b.ops))
+            self._next_bucket += 1
+
+    def _finish_backward(self):
+        # Parameters without a gradient this step contribute zeros, so every rank runs every bucket.
+        unused = []
+        for b in self.buckets[self._next_bucket:]:
+            for j, p in enumerate(b.params):
+                if not self._marked[b.index][j]:
+                    if p.grad is None:
+                        unused.append(self._index[p])
+                    self._hand_over(b, j, p)  # p.grad is None, or what no_sync steps accumulated
+                    self._marked[b.index][j] = True
+            self._ready[b.index] = len(b.params)
+        self._submit_ready()
+        t0 = time.perf_counter()
+        lost = None
+        try:
+            self._wait_engine()
+        except (PeerFailedError, RuntimeError) as e:
+            if self._elastic is None:
+                raise
+            lost = e
+        finally:
+            self.timings["backward_wait_s"] += time.perf_counter() - t0
+            self._backward_active = False
+            self._unsynced = False
+            self._next_bucket = 0
+            self._ready = [0] * len(self.buckets)
+            self._marked = [[False] * len(b.params) for b in self.buckets]
+        if lost is not None:
+            self._elastic.recover(lost)  # discard this round, re-form the group (or raise)
+            return
+        t0 = time.perf_counter()
+        try:
+            self._agree_after_round(unused)
+        except RuntimeError as e:
+            if self._elastic is None or e is not self._elastic.comm_error:
+                raise
+            lost = e
+        finally:
+            self.timings["agree_s"] += time.perf_counter() - t0
+        if lost is not None:
+            self._elastic.recover(lost, buckets_done=True)

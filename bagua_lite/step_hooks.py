@@ -1,0 +1,129 @@
+"""DistributedModel's optimizer step: the one step pre-hook (a closure's forward and backward, then the
+refusals: a discarded round, a failed peer, a non-finite gradient, a missing synchronised backward, then
+the algorithm's ``before_step``) and post-hook (the step count, the algorithm's ``after_step``, joiners
+admitted at the boundary)."""
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ._failfast import PeerFailedError
+
+_LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
+_FOREIGN_HOOK = []
+
+
+def _refuse_foreign_step(optimizer, args, kwargs):
+    """A global optimizer step pre-hook: an optimizer other than a live model's own that would step that
+    model's parameters is refused, since the model's step accounting, refusals and algorithm hooks ride on
+    its own optimizer (a second optimizer's step would apply gradients no algorithm saw through)."""
+    for model in list(_LIVE):
+        if optimizer is model.optimizer:
+            continue
+        if model._steps_parameters_of(optimizer):
+            raise RuntimeError(
+                f"bagua_lite: a {type(optimizer).__name__} steps parameters of a DistributedModel built with "
+                f"another optimizer ({type(model.optimizer).__name__}); a DistributedModel takes one optimizer "
+                f"for all its parameters: give it one optimizer with several param groups")
+
+
+def watch_foreign_steps(model) -> None:
+    """From now on, refuse another optimizer's step over ``model``'s parameters (until :func:`forget`)."""
+    if not _FOREIGN_HOOK:
+        _FOREIGN_HOOK.append(register_optimizer_step_pre_hook(_refuse_foreign_step))
+    _LIVE.add(model)
+
+
+def forget(model) -> None:
+    _LIVE.discard(model)
+
+
+def take_closure(optimizer, args, kwargs):
+    """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call; ``args[0]`` is the
+    optimizer itself (as torch hands them to a step pre-hook)."""
+    if kwargs.get("closure") is not None:
+        kwargs = dict(kwargs)
+        return kwargs.pop("closure"), args, kwargs
+    if len(args) > 1 and callable(args[1]):
+        return args[1], args[:1] + tuple(args[2:]), kwargs
+    return None, args, kwargs
+
+
+class StepHooks:
+    """The optimizer's step hooks of a DistributedModel (a mixin: it shares the model's state)."""
+
+    def _steps_parameters_of(self, optimizer) -> bool:
+        """Whether ``optimizer`` holds any of this model's parameters."""
+        return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
+
+    def _before_step(self, optimizer, args, kwargs):
+        """The optimizer's step pre-hook, the only one: a closure first (it runs forward and backward, as
+        in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``."""
+        closure, args, kwargs = take_closure(optimizer, args, kwargs)
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+            calls = []
+
+            def evaluated():
+                if calls:
+                    raise RuntimeError(
+                        f"bagua_lite: {type(optimizer).__name__}.step evaluated its closure a second time in one "
+                        f"step; each evaluation would be a communication round whose count differs between ranks. "
+                        f"Use an optimizer that evaluates the closure once per step (SGD, Adam, ...)")
+                calls.append(1)
+                return loss
+            kwargs = dict(kwargs, closure=evaluated)
+        if self._elastic is not None and self._elastic.pending is not None:
+            raise self._elastic.take_pending()  # the step in flight was discarded on every survivor
+        self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
+        if self._nonfinite_error is not None:
+            raise FloatingPointError(self._nonfinite_error)
+        if self._local_bad is not None:
+            name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
+            raise FloatingPointError(
+                f"bagua_lite: non-finite gradient (inf or NaN) on rank {self.rank} at step {self.algorithm.step}, "
+                f"first in parameter {name!r}. Under {self.algorithm.name} gradients stay local, so only this rank "
+                f"skips the step: its weights are unchanged and the step still counts, so the ranks stay in "
+                f"step (a loss scaler, torch.amp.GradScaler, skips such steps without this error). Look for "
+                f"what produced the inf/NaN: learning rate, loss, inputs")
+        if self._unsynced and self.algorithm.sync_gradients():
+            raise RuntimeError(
+                f"bagua_lite: optimizer.step() after a backward under no_sync() with no synchronised backward "
+                f"since (this is rank {self.rank}, step {self.algorithm.step}, {self.algorithm.name}): its "
+                f"gradients are this rank's own and the replicas would drift apart. Run the last micro-batch's "
+                f"backward outside no_sync(), as with DDP")
+        self._algorithm_hook(self.algorithm.before_step)
+        return (args, kwargs) if closure is not None else None
+
+    def _settle_skipped_step(self):
+        """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
+        it still counts, as a step that moved nothing, so this rank's schedule (exchanges, periodic
+        averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint."""
+        if self._local_bad is not None:
+            self._local_bad = None
+            self._after_step()
+
+    def _after_step(self):
+        self._local_bad = None
+        self._unsynced = False
+        self.algorithm.step += 1
+        self._algorithm_hook(self.algorithm.after_step)
+        if self._elastic is not None and (self._elastic.grow_after_step or self._elastic.admits_now()):
+            self._elastic.grow()  # a worker waits to join: the next step runs with it
+
+    def _algorithm_hook(self, hook):
+        """Run an algorithm hook that may communicate (its own exchanges, averages, threads' errors): if it
+        raises, this model's ranks are out of step for good, so tell the peers (fail fast) first. With
+        ``fault_tolerant=True`` and an algorithm that heals itself (DiLoCo's in-step sync), a lost peer is
+        recovered from here and the step raises MembershipChanged."""
+        try:
+            hook()
+        except Exception as e:
+            if isinstance(e, RuntimeError) and self._elastic is not None \
+                    and self.algorithm.heals_itself:  # PeerFailedError is one
+                self._elastic.recover(e, periodic="sync")
+                raise self._elastic.take_pending() from e
+            if not isinstance(e, PeerFailedError):
+                self._failfast.announce(f"{self.algorithm.name}.{hook.__name__} raised {type(e).__name__}: {e}")
+            raise
