@@ -25,10 +25,10 @@ class DDPType(DistributedDataParallel):
 
     # DDP's members over its reducer and join machinery; the nn.Module ones DDP overrides are put back.
     reducer = _ddp_only_attribute("reducer", "bagua_lite's buckets live in the C++ engine")
-    require_backward_grad_sync = _ddp_only_attribute(
-        "require_backward_grad_sync", "use model.no_sync() around the forward and backward that must not sync "
-        "(Accelerate: accelerator.no_sync / accumulate; trigger_sync_in_backward is not supported)")
-    require_forward_param_sync = _ddp_only_attribute("require_forward_param_sync", "use model.no_sync()")
+    require_forward_param_sync = _ddp_only_attribute(
+        "require_forward_param_sync", "use model.no_sync() (or require_backward_grad_sync = False) around the forward "
+        "and backward that must not sync (Accelerate: accelerator.no_sync / accumulate; trigger_sync_in_backward is "
+        "not supported)")
     register_comm_hook = _ddp_only(
         "register_comm_hook", "pick the compression with the algorithm (algorithm=..., compression=...), or "
         "use bagua_lite.hooks on a torch DDP model")

@@ -12,9 +12,10 @@ Around them: what algorithms call (:mod:`bagua_lite.services`), joiners' admissi
 (:mod:`bagua_lite.admission`), the DDP type (:mod:`bagua_lite._ddp_type`), membership (:mod:`bagua_lite.elastic`).
 """
 import contextlib
+import os
 import functools
 import math
-from typing import Union
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,9 @@ from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
 from .admission import Admission, check_fault_tolerant, join_running_job
 from .agreement import RoundAgreement
-from .algorithm import Algorithm, build
+from .algorithm import Algorithm
 from .bucket import Bucket, plan_buckets, plan_model_buckets
+from .config import algorithm_from
 from .scheduler import Scheduler
 from .services import Services
 from .step_hooks import StepHooks
@@ -75,8 +77,9 @@ class _Port:
 class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission, DDPType):
     """Wrap ``module`` and its ``optimizer`` for data-parallel training with a bagua_lite algorithm.
 
-    ``algorithm`` is an :class:`Algorithm` instance or a registered name. ``bucket_size_mb`` caps a
-    gradient bucket. Parameters and buffers are broadcast from rank 0 at set-up, and every rank must
+    ``algorithm`` is an :class:`Algorithm` instance, a registered name, or what ``bagua_lite.load_config``
+    takes (a YAML path, a shipped config's name). ``bucket_size_mb`` caps a gradient bucket (default: the
+    config's, else 25). Parameters and buffers are broadcast from rank 0 at set-up, and every rank must
     pass the same algorithm options and bucket size and build the same model (checked: a mismatch names
     the differing rank). ``broadcast_buffers`` (default True, as DDP): rank 0's buffers are broadcast
     before every forward with gradients enabled (not for asynchronous algorithms).
@@ -113,7 +116,9 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
     and ``save_model``, ``torch.distributed.checkpoint``'s state-dict helpers (plain keys), the user's own
     ``isinstance(model, DDP)``. ``DistributedDataParallel.__init__`` never runs and DDP's reducer does not
     exist: the members that need it (``register_comm_hook``, ``join``, ``reducer``,
-    ``require_backward_grad_sync``, ...) raise :class:`NotImplementedError` saying what to use instead.
+    ``require_forward_param_sync``, ...) raise :class:`NotImplementedError` saying what to use instead.
+    ``require_backward_grad_sync``, which training scripts set for gradient accumulation, works as DDP's:
+    False means :meth:`no_sync`.
 
     Example::
 
@@ -124,19 +129,17 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
 
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 algorithm: Union[str, Algorithm] = "gradient_allreduce", bucket_size_mb: float = 25.0,
+                 algorithm: Union[str, os.PathLike, Algorithm] = "gradient_allreduce",
+                 bucket_size_mb: Optional[float] = None,
                  group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True,
                  fault_tolerant: bool = False, min_workers: int = 1, on_membership_change=None,
                  rejoin_window_s: float = 2.0, heartbeat_timeout_s: float = 10.0, grad_scaler=None):
         torch.nn.Module.__init__(self)  # not DDP's: none of its machinery is built
         self._backward_active = False
         self.grad_scaler = grad_scaler  # checked before any traffic
-        if isinstance(algorithm, str):
-            from . import algorithms  # noqa: F401  (registers the built-ins; at use: they import this package)
-            algorithm = build(algorithm)
-        if not isinstance(algorithm, Algorithm):
-            raise TypeError(f"DistributedModel: algorithm must be a bagua_lite.Algorithm or a registered name, "
-                            f"got {type(algorithm).__name__}")
+        algorithm, config_bucket = algorithm_from(algorithm, "DistributedModel")
+        if bucket_size_mb is None:
+            bucket_size_mb = config_bucket if config_bucket is not None else 25.0
         if not isinstance(bucket_size_mb, (int, float)) or isinstance(bucket_size_mb, bool) \
                 or not math.isfinite(bucket_size_mb) or bucket_size_mb <= 0:
             raise ValueError(f"DistributedModel: bucket_size_mb must be a finite number > 0, got {bucket_size_mb!r}")
@@ -320,6 +323,22 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 for b, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                     b.copy_(synced)
 
+
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """DDP's flag, with :meth:`no_sync`'s meaning: set False, the forwards and backwards that follow
+        accumulate gradients locally; set True again before the last micro-batch's forward (nanoGPT's
+        ``model.require_backward_grad_sync = (micro_step == steps - 1)``), bit for bit as ``no_sync()``."""
+        return self._sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value):
+        if value not in (True, False):
+            raise TypeError(f"DistributedModel: require_backward_grad_sync must be True or False, got {value!r}")
+        if self._backward_active:
+            raise RuntimeError("DistributedModel: require_backward_grad_sync set inside a backward; set it before "
+                               "the forward, as with DDP")
+        self._sync_enabled = bool(value)
 
     @contextlib.contextmanager
     def no_sync(self):

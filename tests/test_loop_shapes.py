@@ -15,6 +15,8 @@ refuses before the optimizer changed anything:
   fp16 on the wire rounds the scaled values (as DDP's fp16 hook does), so it is within fp16 rounding;
 - ``no_sync``: two micro-batches, the first backward under ``no_sync()``, against one backward through
   both micro-batches' forwards;
+- ``grad_sync_flag``: the same two micro-batches as nanoGPT accumulates them, DDP's
+  ``model.require_backward_grad_sync = (micro == last)`` before each forward, against the same reference;
 - ``compile``: ``torch.compile`` of the wrapped model (backend "eager": dynamo's tracing, torch's kernels).
 
 ``clip_grad_norm_`` between backward and step is checked on its own (there is no plain loop to compare
@@ -58,7 +60,7 @@ SYNCHRONOUS = {"gradient_allreduce", "fp16", "bytegrad", "topk", "topk_no_correc
                "async_warmup", "auto_topk"}
 # .grad holds the momentum-corrected sparse update (or qadam's averaged momentum), not a gradient
 REFUSE_RESCALED_GRAD = {"topk", "gtopk", "auto_topk", "qadam"}
-SHAPES = ("closure", "zero_grad_keep", "param_groups", "grad_scaler", "no_sync", "compile")
+SHAPES = ("closure", "zero_grad_keep", "param_groups", "grad_scaler", "no_sync", "grad_sync_flag", "compile")
 
 
 class Net(torch.nn.Module):
@@ -124,6 +126,11 @@ def _train(rank, label, shape):
                     with model.no_sync():
                         (F.cross_entropy(run(x), y) / 2).backward()
                     (F.cross_entropy(run(x2), y2) / 2).backward()
+                elif shape == "grad_sync_flag":
+                    for micro in range(2):
+                        model.require_backward_grad_sync = micro == 1
+                        xm, ym = _batch(rank, s, micro=micro)
+                        (F.cross_entropy(run(xm), ym) / 2).backward()
                 elif shape == "grad_scaler":
                     scaler.scale(F.cross_entropy(run(x), y)).backward()
                 else:
@@ -162,7 +169,7 @@ def _r_matrix(rank, P, labels):
     for label in labels:
         plain, _ = _train(rank, label, None)
         for shape in SHAPES:
-            reference = _plain_no_sync(rank, label) if shape == "no_sync" else plain
+            reference = _plain_no_sync(rank, label) if shape in ("no_sync", "grad_sync_flag") else plain
             state, refused = _train(rank, label, shape)
             if refused:
                 out[(label, shape)] = ("refused", refused)
