@@ -11,6 +11,7 @@ from .checkpoint import load_checkpoint, save_checkpoint  # noqa: F401
 from .compressors import Compressor, register_compressor  # noqa: F401
 from .config import Config, load_config, parse_config, shipped_configs  # noqa: F401
 from .distributed import DistributedModel  # noqa: F401
+from ._failfast import PeerFailedError  # noqa: F401
 from .elastic import MembershipChanged, MembershipError  # noqa: F401
 from .launch import init_process_group  # noqa: F401
 from .ranks import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size  # noqa: F401

@@ -20,7 +20,7 @@ from typing import List
 
 import yaml
 
-from .algorithm import Algorithm, build
+from .algorithm import Algorithm, build, registered
 
 TOP_LEVEL_KEYS = ("algorithm", "bucket_size_mb")
 MAX_BUCKET_MB = 1 << 20  # 1 TiB: anything larger is a typo
@@ -124,3 +124,26 @@ def load_config(path) -> Config:
         return config_from_dict(yaml.load(shipped.read_text(), Loader=_Loader), f"bagua_lite.configs/{shipped.name}")
     raise FileNotFoundError(f"config: no such file {path!r}, and no shipped config of that name (shipped: "
                             f"{', '.join(shipped_configs())})")
+
+
+def algorithm_from(spec, who: str):
+    """``(algorithm, the config's bucket_size_mb or None)`` from what a user may pass as ``algorithm=``: an
+    :class:`Algorithm`, a registered name (its defaults), or what :func:`load_config` takes (a YAML path, a
+    shipped config's name). A registered name wins over a shipped config of the same name (the same
+    defaults) unless a file of that name exists here."""
+    from . import algorithms  # noqa: F401  (registers the built-ins; at use: they import this package)
+
+    if isinstance(spec, Algorithm):
+        return spec, None
+    if not isinstance(spec, (str, os.PathLike)):
+        raise TypeError(f"{who}: algorithm must be a bagua_lite.Algorithm, a registered name or a YAML config "
+                        f"path, got {type(spec).__name__}")
+    text = os.fspath(spec)
+    if text in registered() and not os.path.isfile(text):
+        return build(text), None
+    if os.path.isfile(text) or shipped_path(text) is not None:
+        cfg = load_config(text)
+        return cfg.algorithm, cfg.bucket_size_mb
+    raise ValueError(f"{who}: unknown algorithm {text!r}; known algorithms: {', '.join(registered())}; or a "
+                     f"YAML config: no file {text!r} here, and no shipped config of that name "
+                     f"({', '.join(shipped_configs())})")

@@ -28,7 +28,7 @@ def test_every_name_the_readme_shows_exists():
     names = [n for n in names if not n.endswith(("_C", ".py")) and not n.startswith("bagua_lite.bench")]
     assert len(names) >= 12, names
     # names the README shows bare, after a `bagua_lite.` one in the same sentence
-    names += [f"bagua_lite.{n}" for n in ("init_process_group", "MembershipChanged", "get_world_size", "get_local_rank", "get_local_size", "get_node_rank",
+    names += [f"bagua_lite.{n}" for n in ("init_process_group", "MembershipChanged", "PeerFailedError", "get_world_size", "get_local_rank", "get_local_size", "get_node_rank",
                                           "shipped_configs", "load_config", "save_checkpoint", "load_checkpoint")]
     names += [f"bagua_lite.hooks.{n}" for n in ("topk_hook", "compressed_hook", "CompressedState")]
     missing = []

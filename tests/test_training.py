@@ -854,8 +854,7 @@ def _r_ddp_in_type(rank, P):
     out = {"isinstance": isinstance(model, DDP), "static_graph": getattr(model, "static_graph", None),
            "broadcast_buffers": model.broadcast_buffers, "refused": {}}
     calls = {"reducer": lambda: model.reducer,
-             "require_backward_grad_sync": lambda: model.require_backward_grad_sync,
-             "set require_backward_grad_sync": lambda: setattr(model, "require_backward_grad_sync", False),
+             "require_forward_param_sync": lambda: model.require_forward_param_sync,
              "register_comm_hook": lambda: model.register_comm_hook(None, lambda s, b: None),
              "join": lambda: model.join(), "scatter": lambda: model.scatter((), {}, [0])}
     for name, call in calls.items():
@@ -864,6 +863,19 @@ def _r_ddp_in_type(rank, P):
             out["refused"][name] = "not refused"
         except NotImplementedError as e:
             out["refused"][name] = str(e)
+    # DDP's flag that scripts set (nanoGPT): no_sync()'s meaning (tests/test_loop_shapes.py: bit for bit)
+    flags = [model.require_backward_grad_sync]
+    with model.no_sync():
+        flags.append(model.require_backward_grad_sync)
+    model.require_backward_grad_sync = False
+    flags.append(model.require_backward_grad_sync)
+    model.require_backward_grad_sync = True
+    flags.append(model.require_backward_grad_sync)
+    try:
+        model.require_backward_grad_sync = "yes"
+    except TypeError as e:
+        flags.append(str(e))
+    out["grad_sync_flag"] = flags
     before = _flat(net).clone()
     model.train(False)  # nn.Module's train, not DDP's: the flag reaches the inner module
     out["eval_reaches_inner"] = not net.training
@@ -879,7 +891,9 @@ def test_distributed_model_is_a_ddp_in_type_only(clusters):
         assert o["isinstance"] and o["static_graph"] is False and o["broadcast_buffers"] is True
         for name, msg in o["refused"].items():
             assert "in type only" in msg and name.split()[-1] in msg, (name, msg)
-        assert "no_sync" in o["refused"]["require_backward_grad_sync"]
+        assert "no_sync" in o["refused"]["require_forward_param_sync"]
+        flags = o["grad_sync_flag"]
+        assert flags[:4] == [True, False, False, True] and "True or False, got 'yes'" in flags[4], flags
         assert o["eval_reaches_inner"] and o["trained"]
 
 
@@ -1125,10 +1139,40 @@ def test_distributed_model_validates_before_any_traffic():
                 "gradient_allreduce", bucket_size_mb=bad)
     _raises(ValueError, r"unknown algorithm 'nope'.*gtopk", bagua_lite.DistributedModel, net, opt, "nope")
     _raises(TypeError, r"optimizer must be a torch.optim.Optimizer", bagua_lite.DistributedModel, net, "sgd")
-    _raises(TypeError, r"algorithm must be a bagua_lite.Algorithm or a registered name",
+    _raises(TypeError, r"algorithm must be a bagua_lite.Algorithm, a registered name or a YAML config path",
             bagua_lite.DistributedModel, net, opt, 42)
+    _raises(ValueError, r"unknown algorithm 'gtopk.yml'.*or a YAML config: no file 'gtopk.yml' here",
+            bagua_lite.DistributedModel, net, opt, "gtopk.yml")
     if not dist.is_initialized():  # (this test process never joins a group; the ranks live in cluster.py)
         _raises(RuntimeError, r"torch.distributed is not initialized", bagua_lite.DistributedModel, net, opt)
+
+
+def _r_algorithm_from_config(rank, P, path):
+    """``algorithm=`` a YAML path (its bucket size too, unless given) or a shipped config's name trains bit
+    for bit as the algorithm the config builds, with the config's bucket size."""
+    out = {}
+    cfg = bagua_lite.load_config(path)
+    for label, spec, kw in (("path", path, {}), ("built", cfg.algorithm, {"bucket_size_mb": cfg.bucket_size_mb}),
+                            ("path_own_bucket", path, {"bucket_size_mb": 0.5}), ("shipped", "bytegrad", {}),
+                            ("shipped_built", bagua_lite.load_config("bytegrad").algorithm,
+                             {"bucket_size_mb": bagua_lite.load_config("bytegrad").bucket_size_mb})):
+        net = _mlp()
+        opt = _sgd(net, lr=0.1)
+        model = bagua_lite.DistributedModel(net, opt, spec, **kw)
+        for s in range(3):
+            _step(model, opt, *_batch(rank, s))
+        out[label] = (_flat(net), repr(model.algorithm), model.bucket_size_mb)
+        model.close()
+    return out
+
+
+def test_algorithm_may_be_a_config(clusters, tmp_path):
+    path = tmp_path / "my.yaml"
+    path.write_text("algorithm:\n  name: gtopk\n  density: 0.2\n  warmup_densities: []\nbucket_size_mb: 0.004\n")
+    for o in clusters.get(2).run(_r_algorithm_from_config, str(path), timeout=60):
+        assert torch.equal(o["path"][0], o["built"][0]) and o["path"][1:] == o["built"][1:], (o["path"], o["built"])
+        assert o["path"][2] == 0.004 and o["path_own_bucket"][2] == 0.5 and "density=0.2" in o["path"][1]
+        assert torch.equal(o["shipped"][0], o["shipped_built"][0]) and "minmax_uint8" in o["shipped"][1]
 
 
 def test_load_config_of_every_shipped_config_and_missing_file(tmp_path):
