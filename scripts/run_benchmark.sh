@@ -5,5 +5,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-bash scripts/install.sh
+bash scripts/install.sh benchmark
 "$PY" -m bagua_lite.bench --config configs/benchmark.yaml --project 16,32,128,1024 "$@"

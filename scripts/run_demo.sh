@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-bash scripts/install.sh
+bash scripts/install.sh benchmark
 "$PY" -m bagua_lite.demo "$@"
