@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _control, agreement, comm, elastic, launch, runtime, step_hooks
+from . import _C, _control, accelerate_support, agreement, comm, elastic, launch, runtime, step_hooks
 from ._ddp_type import DDPType
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
@@ -92,6 +92,10 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
     scaler's default) an algorithm trains bit for bit as it does without a scaler, and an overflow step is
     skipped on every rank. Settable later (``model.grad_scaler = scaler``), between steps.
 
+    ``accelerator``: the ``accelerate.Accelerator`` of a script that keeps ``accelerator.prepare(model, ...)``:
+    prepare then keeps this model as it is, Accelerate's mixed precision and GradScaler apply, and
+    ``save_state``/``load_state`` save and restore every rank's own state (:mod:`bagua_lite.accelerate_support`).
+
     ``fault_tolerant`` (default False; see :mod:`bagua_lite.elastic`): when a peer dies, the survivors
     discard the step in flight, agree on the new membership through the rendezvous store, go on on a new
     process group among themselves, and ``optimizer.step()`` of that step raises
@@ -133,9 +137,12 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                  bucket_size_mb: Optional[float] = None,
                  group=None, broadcast_parameters: bool = True, broadcast_buffers: bool = True,
                  fault_tolerant: bool = False, min_workers: int = 1, on_membership_change=None,
-                 rejoin_window_s: float = 2.0, heartbeat_timeout_s: float = 10.0, grad_scaler=None):
+                 rejoin_window_s: float = 2.0, heartbeat_timeout_s: float = 10.0, grad_scaler=None,
+                 accelerator=None):
         torch.nn.Module.__init__(self)  # not DDP's: none of its machinery is built
         self._backward_active = False
+        if accelerator is not None:
+            grad_scaler = accelerate_support.check(accelerator, grad_scaler)
         self.grad_scaler = grad_scaler  # checked before any traffic
         algorithm, config_bucket = algorithm_from(algorithm, "DistributedModel")
         if bucket_size_mb is None:
@@ -150,8 +157,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 f"DistributedModel: optimizer is a {type(optimizer).__name__} that wraps an optimizer without being one "
                 f"(it never ran torch.optim.Optimizer.__init__, so it takes no step hooks; Accelerate's "
                 f"AcceleratedOptimizer is one): build the DistributedModel with the optimizer you created, then "
-                f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer) first, then "
-                f"accelerator.prepare(optimizer, loader))")
+                f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer, "
+                f"accelerator=accelerator) first, then accelerator.prepare(model, optimizer, loader))")
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
                              "times per step, so ranks would run different numbers of communication rounds; use an "
@@ -234,6 +241,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         step_hooks.watch_foreign_steps(self)
         self.algorithm = algorithm
         self._install(algorithm)
+        if accelerator is not None:
+            accelerate_support.attach(self, accelerator)
         if membership is not None:
             self._admit(joining=True)
             launch.joined()
@@ -281,8 +290,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             raise RuntimeError(
                 "bagua_lite: this DistributedModel runs inside a DistributedDataParallel, which would average every "
                 "gradient a second time (Accelerate's accelerator.prepare(model) on several processes adds one): "
-                "do not prepare the model; prepare the optimizer, data loaders and schedulers only, "
-                "accelerator.prepare(optimizer, loader), after building the DistributedModel")
+                "build it with DistributedModel(net, optimizer, ..., accelerator=accelerator), which "
+                "accelerator.prepare(model, optimizer, loader) then keeps as it is")
         self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
         if self._sync_enabled and torch.is_grad_enabled():
             self._settle_skipped_step()

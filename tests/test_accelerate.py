@@ -1,17 +1,21 @@
-"""bagua_lite under Hugging Face Accelerate, on real gloo groups (P = 3, CPU, as `accelerate launch --cpu` sets up).
+"""bagua_lite under Hugging Face Accelerate, on real gloo groups (P = 3, CPU, as
+`ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 3` sets up).
 
-The recipe: build the DistributedModel with your optimizer, then hand Accelerate only the optimizer and the
-data loader (``accelerator.prepare(model)`` would add a DDP of its own)::
+The recipe: build the DistributedModel with your optimizer and the accelerator, then prepare as for DDP
+(``accelerator.prepare`` keeps the DistributedModel as it is)::
 
     accelerator = Accelerator(gradient_accumulation_steps=2)
-    model = bagua_lite.DistributedModel(net, optimizer, algorithm="gtopk")
-    optimizer, loader = accelerator.prepare(optimizer, loader)
+    model = bagua_lite.DistributedModel(net, optimizer, algorithm="gtopk", accelerator=accelerator)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
-What is checked: training through ``accelerator.backward`` / ``clip_grad_norm_`` / the prepared optimizer and
-loader gives the same weights bit for bit as the plain bagua_lite loop on the same batches; gradient
-accumulation through ``accelerator.accumulate(model)`` is bit for bit the plain ``no_sync()`` loop; the
-wrong orders are refused with a message that says the right one; Accelerate's unwrapping (``unwrap_model``,
-``get_state_dict``, ``save_model``) reaches the inner module and its plain keys, as for a DDP.
+What is checked: training through ``accelerator.backward`` / ``clip_grad_norm_`` / the prepared model,
+optimizer and loader gives the same weights bit for bit as the plain bagua_lite loop on the same batches
+(also without ``accelerator=``, preparing only the optimizer and loader); gradient accumulation through
+``accelerator.accumulate(model)`` is bit for bit the plain ``no_sync()`` loop; ``mixed_precision="bf16"`` is
+bit for bit the plain loop under ``torch.autocast`` with fp32 outputs; ``save_state``/``load_state`` resume
+bit for bit (per-rank residuals and replicas included) and refuse a directory without bagua_lite's state;
+the wrong orders are refused with a message that says the right one; Accelerate's unwrapping
+(``unwrap_model``, ``get_state_dict``, ``save_model``) reaches the inner module and its plain keys, as for a DDP.
 """
 import os
 
@@ -66,21 +70,27 @@ def _accelerator(**kwargs):
     return acc
 
 
-def _wrapped(name, options):
+def _wrapped(name, options, accelerator=None):
     """The same net, SGD and bagua_lite model on every call (the Accelerate loop and its plain reference)."""
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    return net, opt, bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    return net, opt, bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001,
+                                                 accelerator=accelerator)
 
 
 # ---- training: Accelerate's loop == the plain loop, bit for bit ------------------------------------------------
-def _r_train(rank, world, name, options):
+def _r_train(rank, world, name, options, prepare_model):
     _env(rank)
     ds = _dataset(STEPS * P)
-    # under Accelerate
+    # under Accelerate: the DDP script's prepare(model, optimizer, loader), or the optimizer and loader only
     acc = _accelerator()
-    net, opt, model = _wrapped(name, options)
-    opt, loader = acc.prepare(opt, torch.utils.data.DataLoader(ds, batch_size=B))
+    net, opt, model = _wrapped(name, options, acc if prepare_model else None)
+    loader = torch.utils.data.DataLoader(ds, batch_size=B)
+    if prepare_model:
+        prepared, opt, loader = acc.prepare(model, opt, loader)
+        assert prepared is model and acc._models == [model], "prepare did not keep the DistributedModel"
+    else:
+        opt, loader = acc.prepare(opt, loader)
     seen = []
     for x, y in loader:
         seen.append(x)
@@ -111,9 +121,9 @@ def cluster():
     c.close()
 
 
-@pytest.mark.parametrize("name", list(ALGORITHMS))
-def test_training_under_accelerate_is_the_plain_loop_bit_for_bit(cluster, name):
-    res = cluster.run(_r_train, name, ALGORITHMS[name], timeout=120)
+@pytest.mark.parametrize("name,prepare_model", [(n, True) for n in ALGORITHMS] + [("gtopk", False)])
+def test_training_under_accelerate_is_the_plain_loop_bit_for_bit(cluster, name, prepare_model):
+    res = cluster.run(_r_train, name, ALGORITHMS[name], prepare_model, timeout=120)
     for r, o in enumerate(res):
         assert o["same_data"], f"rank {r}: Accelerate's loader did not hand this rank batches i*P+rank"
         assert o["steps"] == (STEPS, STEPS), (r, o["steps"])
@@ -129,8 +139,8 @@ def _r_accumulate(rank, world, name, options, gas):
     _env(rank)
     ds = _dataset(STEPS * gas * P)
     acc = _accelerator(gradient_accumulation_steps=gas)
-    net, opt, model = _wrapped(name, options)
-    opt, loader = acc.prepare(opt, torch.utils.data.DataLoader(ds, batch_size=B))
+    net, opt, model = _wrapped(name, options, acc)
+    model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(ds, batch_size=B))
     synced = []
     for x, y in loader:
         with acc.accumulate(model):  # no_sync() on the model for all but the last micro-batch of each step
@@ -197,9 +207,9 @@ def test_wrong_orders_are_refused_on_every_rank(cluster):
     for o in cluster.run(_r_refusals, timeout=60):
         assert o["wrapped_in"] == "DistributedDataParallel"
         assert o["ddp"] is not None and "runs inside a DistributedDataParallel" in o["ddp"] \
-            and "accelerator.prepare(optimizer, loader)" in o["ddp"], o["ddp"]
+            and "accelerator=accelerator" in o["ddp"], o["ddp"]
         assert o["wrapper_opt"] is not None and "AcceleratedOptimizer" in o["wrapper_opt"] \
-            and "DistributedModel(net, optimizer) first" in o["wrapper_opt"], o["wrapper_opt"]
+            and "accelerator=accelerator) first" in o["wrapper_opt"], o["wrapper_opt"]
 
 
 def _r_unwrap(rank, world, tmp):
@@ -248,3 +258,127 @@ def _r_unwrap(rank, world, tmp):
 def test_accelerate_unwraps_a_distributed_model_as_a_ddp(cluster, tmp_path):
     for o in cluster.run(_r_unwrap, str(tmp_path), timeout=60):
         assert o == {k: True for k in o}, o
+
+
+# ---- save_state / load_state: each rank's own state, resumed bit for bit --------------------------------------------
+def _accelerate_loop(acc, model, opt, loader, steps, dropout_seed=None):
+    done = 0
+    for x, y in loader:
+        if done == steps:
+            break
+        acc.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        done += 1
+
+
+def _r_resume(rank, world, name, options, tmp):
+    _env(rank)
+    ds = _dataset(2 * STEPS * P)
+    acc = _accelerator()
+    net, opt, model = _wrapped(name, options, acc)
+    model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(ds, batch_size=B))
+    batches = list(loader)
+    _accelerate_loop(acc, model, opt, batches[:STEPS], STEPS)
+    acc.save_state(os.path.join(tmp, "ckpt"))
+    saved_files = sorted(os.listdir(os.path.join(tmp, "ckpt")))
+    at_save = _flat(net)
+    _accelerate_loop(acc, model, opt, batches[STEPS:], STEPS)
+    straight = _flat(net)
+    model.close()
+    # a fresh process state: a new Accelerator, model and optimizer, load_state, the second half again
+    acc2 = _accelerator()
+    net2, opt2, model2 = _wrapped(name, options, acc2)
+    model2, opt2, _ = acc2.prepare(model2, opt2, torch.utils.data.DataLoader(ds, batch_size=B))
+    torch.manual_seed(999)  # the RNG state must come from the checkpoint
+    acc2.load_state(os.path.join(tmp, "ckpt"))
+    _accelerate_loop(acc2, model2, opt2, batches[STEPS:], STEPS)
+    resumed = _flat(net2)
+    model2.close()
+    return {"files": saved_files, "straight": straight, "resumed": resumed, "at_save": at_save,
+            "own": sorted(os.listdir(os.path.join(tmp, "ckpt", "bagua_lite")))}
+
+
+@pytest.mark.parametrize("name", ["gtopk", "local_sgd"])
+def test_save_state_and_load_state_resume_each_rank_bit_for_bit(cluster, tmp_path, name):
+    # gtopk keeps per-rank residuals; local_sgd at an odd step count keeps replicas that differ
+    options = {"density": 0.2} if name == "gtopk" else {"period": 4}
+    res = cluster.run(_r_resume, name, options, str(tmp_path), timeout=120)
+    assert "model.safetensors" in res[0]["files"] and "bagua_lite" in res[0]["files"], res[0]["files"]
+    assert res[0]["own"] == [f"rank{r}.pt" for r in range(P)], res[0]["own"]
+    for r, o in enumerate(res):
+        assert torch.equal(o["resumed"], o["straight"]), \
+            f"{name}, rank {r}: the resumed run differs by {(o['resumed'] - o['straight']).abs().max():.3g}"
+    if name == "local_sgd":  # the replicas differed at the checkpoint, so rank 0's weights alone would not do
+        assert not torch.equal(res[0]["at_save"], res[1]["at_save"])
+
+
+def _r_foreign_checkpoint(rank, world, tmp):
+    _env(rank)
+    acc = _accelerator()
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ddp_like = acc.prepare(net)  # a DDP run's save_state: no bagua_lite state in it
+    opt = acc.prepare(opt)
+    acc.save_state(os.path.join(tmp, "ddp"))
+    del ddp_like
+    acc2 = _accelerator()
+    net2, opt2, model = _wrapped("gtopk", {"density": 0.2}, acc2)
+    acc2.prepare(model, opt2)
+    try:
+        acc2.load_state(os.path.join(tmp, "ddp"))
+        out = None
+    except FileNotFoundError as e:
+        out = str(e)
+    model.close()
+    return out
+
+
+def test_load_state_refuses_a_directory_without_bagua_lite_state(cluster, tmp_path):
+    for o in cluster.run(_r_foreign_checkpoint, str(tmp_path), timeout=120):
+        assert o is not None and "holds no bagua_lite/ directory" in o and "accelerator=accelerator" in o, o
+
+
+# ---- mixed precision: Accelerator(mixed_precision="bf16") == the plain loop under torch.autocast ------------------
+def _r_bf16(rank, world, name, options):
+    _env(rank)
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state()  # mixed precision is fixed per process state: a new one for this test
+    ds = _dataset(STEPS * P)
+    acc = _accelerator(mixed_precision="bf16")
+    net, opt, model = _wrapped(name, options, acc)
+    model, opt, loader = acc.prepare(model, opt, torch.utils.data.DataLoader(ds, batch_size=B))
+    dtypes = set()
+    for x, y in loader:
+        out = model(x)
+        dtypes.add(out.dtype)
+        acc.backward(F.cross_entropy(out, y))
+        opt.step()
+        opt.zero_grad()
+    model.close()
+    unwrapped = acc.unwrap_model(model, keep_fp32_wrapper=False)
+    plain_forward = unwrapped(ds[0:B][0]).dtype  # the autocast forward taken off again
+    AcceleratorState._reset_state()
+    net2, opt2, model2 = _wrapped(name, options)
+    for s in range(STEPS):
+        i = s * P + rank
+        x, y = ds[i * B:(i + 1) * B]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model2(x)
+        F.cross_entropy(out.float(), y).backward()
+        opt2.step()
+        opt2.zero_grad()
+    model2.close()
+    return {"dtypes": dtypes, "acc": _flat(net), "plain": _flat(net2), "unwrapped": unwrapped is net,
+            "plain_forward": plain_forward, "init": _flat(_net())}
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "gtopk"])
+def test_bf16_mixed_precision_is_the_plain_autocast_loop(cluster, name):
+    options = {"density": 0.2} if name == "gtopk" else {}
+    for r, o in enumerate(cluster.run(_r_bf16, name, options, timeout=120)):
+        assert o["dtypes"] == {torch.float32}, f"outputs not converted back to fp32: {o['dtypes']}"
+        assert o["unwrapped"] and o["plain_forward"] == torch.float32
+        assert not torch.equal(o["acc"], o["init"])
+        assert torch.equal(o["acc"], o["plain"]), \
+            f"{name}, rank {r}: bf16 under Accelerate differs by {(o['acc'] - o['plain']).abs().max():.3g}"
