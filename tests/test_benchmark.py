@@ -109,6 +109,10 @@ def test_quick_benchmark_writes_table_json_csv_png(tmp_path):
     with open(out / "results.csv") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
     assert (out / "throughput.png").stat().st_size > 1000
+    # one repeat on one network: one floor for the model, so the table says a drift cannot be told
+    assert json.loads((out / "results.json").read_text())["floor_spread"] == []
+    assert "cannot be told from the floors" in text
+    assert all(r["below_floor"] is (r["vs_floor"] < 1) for r in rows)
     # the projection covers the requested sizes
     projections = json.loads((out / "results.json").read_text())["projections"]
     assert {p["world_size"] for p in projections} == {16, 1024}
@@ -236,58 +240,174 @@ algorithms: [ddp, gradient_allreduce, {name: topk, density: 0.1}]
 """
 
 
-def test_floor_each_cell_and_repeats(tmp_path, clusters):
-    """By default one floor per model (every cell compares with it) and each algorithm once; with
-    floor_each_cell every cell has a floor of its own, measured right before it, and its x floor ratio
-    uses that one; with repeats: 2 the whole list runs twice (A B C A B C) and each row pools its two
-    cells' steps, its floor the median of their floors, listing each repeat's own s/step."""
+def test_floor_is_measured_in_each_repeat_or_before_each_cell(tmp_path, clusters):
+    """By default one floor per repeat, in the middle of the repeat's rotation (A FLOOR B C A FLOOR B C),
+    and a row's repeat r divides by repeat r's floor, its floor the median of its repeats'; with
+    floor_each_cell a floor right before every cell, and that cell divides by it. The cost model's
+    prediction is made with the row's floor."""
+    from bagua_lite import cost_model
     from bagua_lite.bench.config import load_benchmark_config
-    from bagua_lite.bench.report import cycle_median, print_table, summarize
+    from bagua_lite.bench.report import cycle_median, floor_spread, print_table, summarize
     from bagua_lite.bench.runner import _read
 
-    for each in (False, True):
+    names = ["ddp", "gradient_allreduce", "topk"]
+    for each, repeats in ((False, 2), (True, 1)):
         cfg_path = tmp_path / f"floor_{each}.yaml"
-        cfg_path.write_text(FLOOR_YAML + f"floor_each_cell: {str(each).lower()}\n" + ("repeats: 2\n" if each else ""))
+        cfg_path.write_text(FLOOR_YAML + f"floor_each_cell: {str(each).lower()}\nrepeats: {repeats}\n")
         cfg = load_benchmark_config(str(cfg_path))
-        assert cfg["floor_each_cell"] is each and cfg["repeats"] == (2 if each else 1)
+        assert cfg["floor_each_cell"] is each and cfg["repeats"] == repeats
         path = str(tmp_path / f"records_{each}.jsonl")
         clusters.get(2).run(_r_bench_matrix, cfg, path, timeout=180)
         records = _read(path)
-        model_floor = [r["step_s"] for r in records if r["kind"] == "floor"]
+        order = [r["kind"] if r["kind"] == "floor" else r.get("algorithm") for r in records
+                 if r["kind"] in ("floor", "cell")]
+        floors = [r for r in records if r["kind"] == "floor"]
         cells = [r for r in records if r["kind"] == "cell"]
-        names = ["ddp", "gradient_allreduce", "topk"]
-        assert len(model_floor) == 1 and [c["algorithm"] for c in cells] == names * cfg["repeats"]
-        assert [c["repeat"] for c in cells] == [r for r in range(cfg["repeats"]) for _ in names]
-        assert all(c["model_floor_s"] == model_floor[0] for c in cells)
-        floors = [c["floor_s"] for c in cells]
-        if each:  # measured six more times: timings of real steps, never all equal to the first
-            assert all(f > 0 for f in floors) and len(set(floors + model_floor)) == 7, (floors, model_floor)
-        else:
-            assert floors == model_floor * 3
+        assert [c["repeat"] for c in cells] == [r for r in range(repeats) for _ in names]
+        assert all(f["step_s"] > 0 for f in floors)
+        if each:
+            assert order == [x for n in names for x in ("floor", n)]
+            assert [f["before"] for f in floors] == [c["label"] for c in cells]
+            assert [c["floor_s"] for c in cells] == [f["step_s"] for f in floors]
+            mine = {i: [floors[i]["step_s"]] for i in range(3)}
+        else:  # one floor per repeat per model, next in time to the rows it divides
+            assert order == ["ddp", "floor", "gradient_allreduce", "topk"] * 2
+            assert [f["repeat"] for f in floors] == [0, 1] and all("before" not in f for f in floors)
+            assert all(c["floor_s"] is None for c in cells)  # the report joins each cell to its repeat's
+            mine = {i: [f["step_s"] for f in floors] for i in range(3)}
         rows = summarize(records)
         assert [r["name"] for r in rows] == names  # one row per cell of the matrix
+        net = next(r for r in records if r["kind"] == "network")
         for i, r in enumerate(rows):
-            mine = cells[i::len(names)]
-            assert r["repeats"] == cfg["repeats"] and r["steps_measured"] == sum(len(c["times"]) for c in mine)
-            assert r["repeat_step_s"] == [cycle_median(c["times"]) for c in mine]
-            assert r["floor_s"] == pytest.approx(statistics.median(c["floor_s"] for c in mine))
-            assert r["step_s"] == pytest.approx(statistics.median([t for c in mine for t in c["times"]]))
+            mine_cells = cells[i::len(names)]
+            assert r["repeats"] == repeats and r["steps_measured"] == sum(len(c["times"]) for c in mine_cells)
+            assert r["repeat_step_s"] == [cycle_median(c["times"]) for c in mine_cells]
+            assert r["repeat_floor_s"] == mine[i]  # each repeat's own floor
+            assert r["floor_s"] == pytest.approx(statistics.median(mine[i]))
+            assert r["step_s"] == pytest.approx(statistics.median([t for c in mine_cells for t in c["times"]]))
             assert r["vs_floor"] == pytest.approx(r["step_s"] / r["floor_s"])
-            # the cost model's prediction: the one made with the middle floor (the lower one of two)
-            middle = sorted(mine, key=lambda c: c["floor_s"])[(len(mine) - 1) // 2]
-            assert r["predicted_step_s"] == middle["prediction"]["step_s"]
+            assert r["below_floor"] is (r["step_s"] < r["floor_s"])
+            work = cost_model.Workload(numel=cells[0]["numel"], compute_s=r["floor_s"],
+                                       bucket_numels=floors[0]["bucket_numels"])
+            expect = cost_model.predict(r["name"], mine_cells[0]["options"], 2, work,
+                                        cost_model.Network(net["alpha"], net["beta"], net["host_local"]),
+                                        cost_model.Machine(**net["machine"]))
+            assert r["predicted_step_s"] == pytest.approx(expect["step_s"])
+        spread = floor_spread(records)
+        assert [(d["model"], d["world_size"], d["measurements"]) for d in spread] == [
+            ("mlp_small", 2, len(floors))]
         buf = io.StringIO()
-        print_table(rows, out=buf)
+        print_table(rows, out=buf, spread=spread)
         lines = buf.getvalue().splitlines()
         assert "x floor" in lines[0] and f"{rows[2]['vs_floor']:.2f}" in lines[4]
         listed = [line for line in lines if line.startswith("  loopback P=2 mlp_small topk")]
-        if each:
+        if repeats > 1:
             s1, s2 = rows[2]["repeat_step_s"]
             f1, f2 = rows[2]["repeat_floor_s"]
-            assert listed == [f"  loopback P=2 mlp_small {rows[2]['algorithm']}: {s1:.3f} ({s1 / f1:.2f}) / "
-                              f"{s2:.3f} ({s2 / f2:.2f})"], lines
+            assert listed == [f"  loopback P=2 mlp_small {rows[2]['algorithm']}: {s1:.3f} ({s1 / f1:.2f}"
+                              f"{'!' if s1 < f1 else ''}) / {s2:.3f} ({s2 / f2:.2f}{'!' if s2 < f2 else ''})"], lines
         else:
             assert listed == []
+
+
+# Hand-made records of a run whose machine slowed down between two repeats: the floors of mlp_small at
+# P=2 are 0.1 s (repeat 1, and on 1gbit) and 0.3 s (repeat 2): 3x apart.
+MACHINE = {"topk_s_per_elem": 1e-9, "quantize_s_per_elem": 1e-9, "fp16_s_per_elem": 1e-9, "add_s_per_elem": 1e-9}
+LONG = "gradient_allreduce(compression=minmax_uint8,hierarchical=false)"  # a name the plot must not cut
+
+
+def _cell(network, name, label, repeat, step_s, straggler="none"):
+    return {"kind": "cell", "network": network, "world_size": 2, "model": "mlp_small", "algorithm": name,
+            "label": label, "options": {}, "optimizer": "sgd", "straggler": straggler, "floor_s": None,
+            "repeat": repeat, "numel": 1000, "batch_size": 16, "times": [step_s] * 4, "waits": [0.0] * 4,
+            "busy": [0.0] * 4, "bytes": [], "tx_bytes": [], "rank_times": [[step_s] * 4, [step_s] * 4],
+            "cycle": 1, "loss": 2.0}
+
+
+def _drift_records(floors=((0.1, 0.3), (0.1,))):
+    """loopback: repeats with floors ``floors[0]``; 1gbit: ``floors[1]``. Every cell takes 0.2 s a step, on
+    both links: below a 0.3 s floor."""
+    out = []
+    for network, fs in zip(("loopback", "1gbit"), floors):
+        out.append({"kind": "network", "network": network, "world_size": 2, "alpha": 1e-5, "beta": 1e-9,
+                    "host_local": network == "loopback", "machine": MACHINE})
+        for repeat, f in enumerate(fs):
+            out.append(_cell(network, "ddp", "ddp", repeat, 0.2))
+            out.append({"kind": "floor", "network": network, "world_size": 2, "model": "mlp_small",
+                        "numel": 1000, "step_s": f, "bucket_numels": [1000], "repeat": repeat})
+            out.append(_cell(network, "gradient_allreduce", LONG, repeat, 0.2))
+    return out
+
+
+def test_drifting_floors_print_a_drift_line_and_flag_rows_below_their_floor():
+    from bagua_lite.bench.report import DRIFT_LIMIT, floor_spread, print_table, summarize
+
+    records = _drift_records()
+    rows = summarize(records)
+    lo = [r for r in rows if r["network"] == "loopback"]
+    # each repeat divides by its own floor; the row's floor is the median of them
+    assert [r["repeat_floor_s"] for r in lo] == [[0.1, 0.3]] * 2
+    assert all(r["floor_s"] == pytest.approx(0.2) and not r["below_floor"] for r in lo)
+    gb = [r for r in rows if r["network"] == "1gbit"]
+    assert all(r["floor_s"] == 0.1 and r["vs_floor"] == pytest.approx(2.0) for r in gb)
+    spread = floor_spread(records)
+    assert len(spread) == 1 and spread[0]["measurements"] == 3 and spread[0]["drifted"]
+    assert spread[0]["ratio"] == pytest.approx(3.0) and spread[0]["slowest"] == "loopback, repeat 2"
+    buf = io.StringIO()
+    print_table(rows, out=buf, spread=spread)
+    text = buf.getvalue()
+    assert "the machine's speed moved during the run" in text and "3.00x apart" in text, text
+    assert f"more than {DRIFT_LIMIT:.2f}x" in text
+    assert "0.20 (0.67!)" not in text and "0.200 (0.67!)" in text  # the repeat below its floor is marked
+    assert "!" not in "".join(line for line in text.splitlines()[2:6] if "x floor" not in line)  # no row below
+
+    # a row whose floor is above its s/step: marked in the table, with a footnote saying why
+    rows = summarize(_drift_records(floors=((0.3,), (0.3,))))
+    assert all(r["below_floor"] and r["vs_floor"] == pytest.approx(2 / 3) for r in rows)
+    spread = floor_spread(_drift_records(floors=((0.3,), (0.3,))))
+    assert not spread[0]["drifted"]
+    buf = io.StringIO()
+    print_table(rows, out=buf, spread=spread)
+    lines = buf.getvalue().splitlines()
+    assert all("0.67!" in line for line in lines[2:6]), lines
+    assert any(line.startswith("! x floor below 1 (4 rows): faster than its floor: the machine's speed moved")
+               for line in lines)
+    assert not any("speed moved during the run" in line for line in lines)
+    # one floor per model and P: the table says drift cannot be told
+    one = [r for r in _drift_records(floors=((0.1,), ())) if r["network"] == "loopback"]
+    buf = io.StringIO()
+    print_table(summarize(one), out=buf, spread=floor_spread(one))
+    assert "cannot be told from the floors" in buf.getvalue()
+
+
+def test_plot_labels_its_axes_shows_whole_names_and_says_projected_and_drift(tmp_path):
+    pytest.importorskip("matplotlib")
+    from bagua_lite.bench.report import floor_spread, summarize, throughput_figure, write_outputs
+
+    records = _drift_records(floors=((0.1, 0.3), (0.3,)))
+    rows, spread = summarize(records), floor_spread(records)
+    projections = [{"network": "1gbit", "model": "mlp_small", "world_size": P, "algorithm": a,
+                    "step_s": 1.0, "speedup_vs_ddp": v} for P in (16, 1024) for a, v in (("ddp", 1.0), (LONG, 3.0))]
+    fig = throughput_figure(rows, projections, spread)
+    measured, projected = fig.axes
+    assert measured.get_xlabel().startswith("samples/s") and measured.get_ylabel() == "algorithm"
+    assert [t.get_text() for t in measured.get_yticklabels()] == ["ddp", LONG]  # whole, not cut
+    assert "speed moved during the run" in measured.get_title(loc="left")
+    assert "faster than their compute floor" in measured.get_title(loc="left")
+    assert "below its floor" in " ".join(t.get_text() for t in measured.texts)
+    assert "PROJECTED" in projected.get_xlabel() and "PROJECTED" in projected.get_title(loc="left")
+    assert projected.get_ylabel() and [t.get_text() for t in projected.get_yticklabels()] == ["ddp", LONG]
+    assert [t.get_text() for t in projected.get_legend().get_texts()] == ["1gbit P=16 (projected)",
+                                                                          "1gbit P=1024 (projected)"]
+    assert "projected" not in measured.get_legend().get_texts()[0].get_text()
+    path = write_outputs(rows, projections, str(tmp_path), spread)
+    assert path == str(tmp_path / "throughput.png") and os.path.getsize(path) > 1000
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["floor_spread"][0]["drifted"] and [r["below_floor"] for r in saved["rows"]] == [
+        False, False, True, True]
+    # without projections: one panel per model, no projected note
+    fig = throughput_figure(rows, [], spread)
+    assert len(fig.axes) == 1 and "PROJECTED" not in fig.axes[0].get_title(loc="left")
 
 
 def test_asynchronous_algorithm_is_timed_per_rank_without_per_step_sync(tmp_path, clusters):

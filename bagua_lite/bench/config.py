@@ -10,16 +10,23 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  always uses SGD.
 ``stragglers``   a matrix axis, default ``[none]``; ``half``: rank 0 runs at half speed (see ``runner``).
 ``lr``           the learning rate of every cell's optimizer (default: 0.01 for sgd, 1e-3 for adam/adamw).
-``floor_each_cell`` measure the compute floor again right before every cell (default false: once per
-                 model, network and world size, before its first cell). A cell's ``floor_s`` and its
-                 ``x floor`` ratio then come from the floor measured next to it in time, so a machine
-                 whose speed drifts over minutes (steal time on a shared VM) moves both alike; it costs
-                 one floor measurement (about 10 steps without communication) per cell.
+``floor_each_cell`` where the compute floor (the same step without communication, SGD,
+                 ``warmup_steps`` + max(8, ``steps``) steps) is measured. Default false: once in every
+                 repeat, in the middle of the repeat's list of cells (``runner.rotation``), so no row is
+                 more than half a repeat away in time from the floor it divides by (its repeat's) and a
+                 machine whose speed drifts (steal time on a shared VM) moves both alike. It costs about
+                 one cheap cell per repeat. True: right before every cell instead, and that cell divides by it:
+                 the nearest in time, at the cost of one floor per cell (about doubling a run of cheap
+                 cells).
 ``repeats``      run the whole list of algorithms this many times in a row (default 1: A B C; 2: A B C A B
-                 C), in the same processes; a row pools its cell's steps over the repeats (its s/step is
-                 the median of all of them, its floor the median of its floors) and lists each repeat's
-                 own s/step, so an order effect (the first cell of a run measured slower) or a slow minute
-                 of the machine weighs one repeat, not the figure.
+                 C), in the same processes, each repeat with its own floor; a row pools its cell's steps over
+                 the repeats (its s/step is the median of all of them, its floor the median of its repeats'
+                 floors) and lists each repeat's own s/step and x floor, so an order effect (the first cell
+                 of a run measured slower) or a slow minute of the machine weighs one repeat, not the
+                 figure. With one floor in the whole run per model and P (repeats 1, one network) a drift
+                 of the machine's speed cannot be told from the floors; with several, floors further apart
+                 than ``report.DRIFT_LIMIT`` (1.25x) make the table and the plot say the machine's speed
+                 moved, and a row faster than its floor is marked (``!``) whatever the spread.
 
 ``mode``         ``throughput`` (default: seconds per step over a few timed steps) or ``convergence``:
                  every algorithm trains the model's task (``bench.data``) from the same seed until the

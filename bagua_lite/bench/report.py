@@ -4,6 +4,7 @@ import json
 import os
 import statistics
 import sys
+import textwrap
 
 from .. import cost_model
 from .config import BASELINES, HOOK_BASELINES, STRAGGLER_RANK
@@ -57,13 +58,37 @@ def _cell_figures(c):
 _LISTS = ("times", "waits", "busy", "bytes", "tx_bytes")  # a cell record's per-step series
 
 
-def merge_repeats(cells):
+DRIFT_LIMIT = 1.25  # floors of one model and P further apart than this (max / min): the machine's speed moved
+
+
+def _floors(records):
+    """{(network, P, model): [floor records, in the order measured]}."""
+    out = {}
+    for r in records:
+        if r["kind"] == "floor":
+            out.setdefault((r["network"], r["world_size"], r["model"]), []).append(r)
+    return out
+
+
+def _cell_floor(c, floors):
+    """The floor a cell record divides by: its own (``floor_each_cell``), else its repeat's, measured in
+    the same rotation (``runner.rotation``); records without one (an interrupted run) take the median of
+    their model's floors."""
+    if c.get("floor_s") is not None:
+        return c["floor_s"]
+    mine = floors.get((c["network"], c["world_size"], c["model"]), [])
+    same = [f["step_s"] for f in mine if f.get("repeat", 0) == c.get("repeat", 0) and "before" not in f]
+    pick = same or [f["step_s"] for f in mine]
+    return statistics.median(pick) if pick else None
+
+
+def merge_repeats(cells, floors=None):
     """One record per cell of the matrix: the repeats of a cell (``repeats`` in the config; same network,
-    P, model, label, straggler condition and optimizer) pooled, their per-step series concatenated, the
-    floor the median of their floors, and ``repeat_step_s`` / ``repeat_floor_s`` each repeat's own. The
-    cost model's prediction is the one made with the middle floor (the lower middle one of an even
-    count): a prediction adds communication to the floor it was given, so one slow floor measurement
-    would otherwise set the row's prediction."""
+    P, model, label, straggler condition and optimizer) pooled, their per-step series concatenated,
+    ``repeat_step_s`` / ``repeat_floor_s`` each repeat's own s/step and floor (the floor measured in that
+    repeat's rotation, or right before the cell with ``floor_each_cell``; ``floors`` as ``_floors``
+    returns them), and ``floor_s`` the median of the repeats' floors."""
+    floors = floors or {}
     groups = {}
     for c in cells:
         key = (c["network"], c["world_size"], c["model"], c["label"], c.get("straggler", "none"),
@@ -73,25 +98,86 @@ def merge_repeats(cells):
     for same in groups.values():
         m = dict(same[0])
         m["repeat_step_s"] = [cycle_median(c["times"], c.get("cycle", 1)) for c in same]
-        m["repeat_floor_s"] = [c["floor_s"] for c in same]
+        m["repeat_floor_s"] = [_cell_floor(c, floors) for c in same]
+        known = [f for f in m["repeat_floor_s"] if f is not None]
+        m["floor_s"] = statistics.median(known) if known else None
         if len(same) > 1:
             for f in _LISTS:
                 m[f] = [v for c in same for v in (c.get(f) or [])]
             if same[0].get("rank_times"):
                 m["rank_times"] = [[t for c in same for t in c["rank_times"][r]]
                                    for r in range(len(same[0]["rank_times"]))]
-            m["floor_s"] = statistics.median(m["repeat_floor_s"])
             m["loss"] = same[-1]["loss"]
             m["picked"] = next((c.get("picked") for c in same if c.get("picked")), None)
-            m["prediction"] = sorted(same, key=lambda c: c["floor_s"])[(len(same) - 1) // 2].get("prediction")
         out.append(m)
     return out
 
 
+def _predict(c, nets, floors):
+    """The cost model's prediction for a merged cell, made with the floor the row is compared with (a
+    prediction adds communication to the compute it is given): a dict with ``step_s``, or ``skipped`` /
+    ``error``."""
+    if c.get("straggler", "none") != "none":
+        return {"skipped": "the cost model knows no stragglers"}
+    nr = nets.get((c["network"], c["world_size"]))
+    if nr is None or not c["floor_s"]:
+        return {"skipped": "no network probe or floor recorded"}
+    mine = floors.get((c["network"], c["world_size"], c["model"])) or [{}]
+    work = cost_model.Workload(numel=c["numel"], compute_s=c["floor_s"], bucket_numels=mine[0].get("bucket_numels"))
+    net = cost_model.Network(alpha=nr["alpha"], beta=nr["beta"], host_local=nr.get("host_local", False))
+    try:
+        return cost_model.predict(c["algorithm"], c["options"], c["world_size"], work, net,
+                                  cost_model.Machine(**nr["machine"]))
+    except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
+        return {"error": str(e)}
+
+
+def floor_spread(records, limit=DRIFT_LIMIT):
+    """How far apart the compute floors of each model and P of the run are: one dict per (model, P) with
+    at least two floor measurements (across networks, repeats and, with ``floor_each_cell``, cells; the
+    floor has no communication, so the network does not change it): ``measurements``, ``min_s`` /
+    ``max_s`` and where each was measured (``fastest`` / ``slowest``: network, repeat, next cell),
+    ``ratio`` = max / min, and ``drifted``: ratio > ``limit``. The floors of six runs of
+    benchmark_sparse_floor.yaml (docs/results.md) are within 1.15x of each other; a wider spread means the machine's speed moved during the run (another job, steal
+    time), and rows measured at different times are then not comparable with each other."""
+    groups = {}
+    for r in records:
+        if r["kind"] == "floor":
+            groups.setdefault((r["model"], r["world_size"]), []).append(r)
+
+    def where(f):
+        return (f"{f['network']}, repeat {f.get('repeat', 0) + 1}"
+                + (f", before {f['before']}" if f.get("before") else ""))
+
+    out = []
+    for (model, P), fs in groups.items():
+        if len(fs) < 2:
+            continue
+        lo, hi = min(fs, key=lambda f: f["step_s"]), max(fs, key=lambda f: f["step_s"])
+        ratio = hi["step_s"] / lo["step_s"] if lo["step_s"] > 0 else float("inf")
+        out.append({"model": model, "world_size": P, "measurements": len(fs), "min_s": lo["step_s"],
+                    "max_s": hi["step_s"], "fastest": where(lo), "slowest": where(hi), "ratio": ratio,
+                    "limit": limit, "drifted": ratio > limit})
+    return out
+
+
+def drift_lines(spread):
+    """One sentence per drifted (model, P) of ``floor_spread``'s list."""
+    return [f"the machine's speed moved during the run: the compute floor of {d['model']} at P={d['world_size']} "
+            f"measured {d['min_s']:.3f} s ({d['fastest']}) to {d['max_s']:.3f} s ({d['slowest']}), "
+            f"{d['ratio']:.2f}x apart over {d['measurements']} measurements (more than {d['limit']:.2f}x): "
+            "rows measured at different times are not comparable; each row's x floor uses its own repeats' floors"
+            for d in spread if d["drifted"]]
+
+
 def summarize(records):
     """Turn raw records into one row per cell with medians (over whole cycles) and ratios; a cell
-    measured more than once (``repeats``) is one row over all its steps (``merge_repeats``)."""
-    cells = merge_repeats([r for r in records if r["kind"] == "cell"])
+    measured more than once (``repeats``) is one row over all its steps (``merge_repeats``), compared
+    with the median of its repeats' floors; ``below_floor``: its s/step is under that floor (x floor < 1:
+    only a change of the machine's speed between floor and row makes that)."""
+    floors = _floors(records)
+    nets = {(r["network"], r["world_size"]): r for r in records if r["kind"] == "network"}
+    cells = merge_repeats([r for r in records if r["kind"] == "cell"], floors)
     rows = []
     for c in cells:
         cyc = c.get("cycle", 1)
@@ -105,12 +191,13 @@ def summarize(records):
         # bagua_lite's own counter sees our collectives only (ours and bagua_lite.hooks'); DDP's bytes show on
         # emulated links' counters.
         counted = cycle_median(c["bytes"], cyc) if c["bytes"] and _counted(c["algorithm"]) else None
+        floor = c["floor_s"]
         # with a straggler the step includes its sleep: that is not communication
-        comm_s = max(0.0, step - c["floor_s"]) if straggler == "none" else None
+        comm_s = max(0.0, step - floor) if straggler == "none" and floor else None
         hidden = None
         if busy:
             hidden = max(0.0, min(1.0, 1.0 - (wait or 0.0) / busy))
-        pred = c.get("prediction") or {}
+        pred = _predict(c, nets, floors)
         pred_step = pred.get("step_s")
         rows.append({
             "network": c["network"], "world_size": world, "model": c["model"], "algorithm": c["label"],
@@ -119,8 +206,8 @@ def summarize(records):
             "step_s": step, "fast_s_per_step": fast, "rank_s_per_step": rank_s,
             "steps_measured": len(c["times"]), "samples_per_s": samples,
             "speedup_vs_ddp": (samples / ddp_samples) if ddp_samples else None,
-            "ddp_baseline": ddp["label"] if ddp else None, "floor_s": c["floor_s"],
-            "vs_floor": step / c["floor_s"] if c["floor_s"] else None,
+            "ddp_baseline": ddp["label"] if ddp else None, "floor_s": floor,
+            "vs_floor": step / floor if floor else None, "below_floor": bool(floor and step < floor),
             "comm_exposed_s": comm_s, "engine_busy_s": busy, "hidden_share": hidden,
             "bytes_per_step_counted": counted, "bytes_per_step_wire": cycle_median(c["tx_bytes"], cyc),
             "final_loss": c["loss"], "predicted_step_s": pred_step,
@@ -131,7 +218,10 @@ def summarize(records):
     return rows
 
 
-def print_table(rows, out=sys.stdout):
+def print_table(rows, out=sys.stdout, spread=None):
+    """The throughput table and its notes; a row below its floor has its x floor marked ``!`` and a
+    footnote says why; ``spread`` (``floor_spread``'s list) adds a line per model and P whose floors
+    drifted apart, or says when there were too few floors to tell."""
     # Optional columns, shown only where they say something: the straggler condition when the matrix
     # has more than one, the non-stragglers' s/step when there is a straggler or an asynchronous
     # algorithm, the optimizer when a row is not SGD.
@@ -155,13 +245,25 @@ def print_table(rows, out=sys.stdout):
               + (f"{r['straggler'][:9]:<10}" if show_straggler else "")
               + f"{r['algorithm'][:33]:<34}" + (f"{r['optimizer']:<6}" if show_opt else "")
               + f"{r['step_s']:>8.3f}" + (fmt(r["fast_s_per_step"], ">7.3f") if show_fast else "")
-              + f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{r['floor_s']:>7.3f}"
-              f"{fmt(r['vs_floor'], '>8.2f')}{fmt(r['comm_exposed_s'], '>8.3f')}{fmt(r['hidden_share'], '>7.0%')}"
+              + f"{r['samples_per_s']:>10.1f}{fmt(r['speedup_vs_ddp'], '>8.2f')}{fmt(r['floor_s'], '>7.3f')}"
+              f"{_x_floor(r)}{fmt(r['comm_exposed_s'], '>8.3f')}{fmt(r['hidden_share'], '>7.0%')}"
               f"{fmt(None if mb is None else mb / 1e6, '>9.2f')}"
               f"{r['final_loss']:>8.3f}{fmt(r['predicted_step_s'], '>7.3f')}{fmt(r['prediction_error'], '>6.0%')}",
               file=out)
-    print("floor: the same step without any communication; x floor: s/step over it (the floor is measured "
-          "before the model's first cell, or next to each cell with floor_each_cell).", file=out)
+    print("floor: the same step without any communication, measured in every repeat among the rows it divides "
+          "(before each cell with floor_each_cell); a row's floor is the median of its repeats' floors; "
+          "x floor: s/step over it.", file=out)
+    below = [r for r in rows if r.get("below_floor")]
+    if below:
+        print(f"! x floor below 1 ({len(below)} row{'s' if len(below) > 1 else ''}): faster than its floor: the "
+              "machine's speed moved between the floor's measurement and the row's, so that row's figures are "
+              "not the algorithm's alone.", file=out)
+    for line in drift_lines(spread or []):
+        print(line, file=out)
+    seen = {(d["model"], d["world_size"]) for d in spread or []}
+    if spread is not None and any((r["model"], r["world_size"]) not in seen for r in rows):
+        print("one floor measurement per model and P: a change of the machine's speed during the run cannot be "
+              "told from the floors (repeats: 2 or more measures one per repeat).", file=out)
     print("MB/step: bytes this rank sent per step (network namespace counter on emulated links, bagua_lite's "
           "own counter on loopback; '-' prediction: no model). hidden: share of engine time overlapped with "
           "backward.", file=out)
@@ -174,12 +276,20 @@ def print_table(rows, out=sys.stdout):
               file=out)
         for r in rows:
             if r["repeats"] > 1:
-                each = " / ".join(f"{s:.3f} ({s / f:.2f})" if s and f else "-"
+                each = " / ".join(f"{s:.3f} ({s / f:.2f}{'!' if s < f else ''})" if s and f else "-"
                                   for s, f in zip(r["repeat_step_s"], r["repeat_floor_s"]))
                 print(f"  {r['network']} P={r['world_size']} {r['model']} {r['algorithm']}"
                       + (f" [{r['straggler']}]" if show_straggler else "") + f": {each}", file=out)
     if not show_straggler and stragglers != ["none"]:
         print(f"every row ran with straggler condition {stragglers[0]!r}", file=out)
+
+
+def _x_floor(r):
+    """The x floor cell of the table: 8 wide, ``!`` after a ratio below 1 (the row beat its floor)."""
+    v = r["vs_floor"]
+    if v is None:
+        return f"{'-':>8}"
+    return f"{v:>7.2f}" + ("!" if r.get("below_floor") else " ")
 
 
 def auto_report(rows, out=sys.stdout):
@@ -206,7 +316,9 @@ def auto_report(rows, out=sys.stdout):
 
 def projection_report(records, world_sizes, out=sys.stdout):
     nets = {(r["network"], r["world_size"]): r for r in records if r["kind"] == "network"}
-    floors = {(r["network"], r["world_size"], r["model"]): r for r in records if r["kind"] == "floor"}
+    # the compute of a projection: the median of the model's floors in the run (one per repeat, or per cell)
+    floors = {key: dict(fs[0], step_s=statistics.median(f["step_s"] for f in fs))
+              for key, fs in _floors(records).items()}
     algs = {}
     for r in records:
         if r["kind"] == "cell":
@@ -271,35 +383,113 @@ def _pyplot():
     return plt
 
 
-def write_outputs(rows, projections, out_dir):
-    _write_results(out_dir, {"rows": rows, "projections": projections}, rows, list(rows[0].keys()))
+def write_outputs(rows, projections, out_dir, spread=None):
+    """results.json (rows, projections and ``floor_spread``'s list), results.csv (the rows) and
+    throughput.png (``throughput_figure``). Returns the plot's path, or None without matplotlib."""
+    _write_results(out_dir, {"rows": rows, "projections": projections, "floor_spread": spread or []}, rows,
+                   list(rows[0].keys()))
+    fig = throughput_figure(rows, projections, spread)
+    if fig is None:
+        return None
+    path = os.path.join(out_dir, "throughput.png")
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # tight: whole labels, titles and legends, never cut
+    _pyplot().close(fig)
+    return path
+
+
+def _wrap(text, width=90):
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def _hbars(ax, labels, series, value, hatch=None):
+    """Horizontal grouped bars: one group per label (top to bottom, whole names on the y-axis), one bar
+    per series in each; ``value(label, series)`` is a number or None (no bar). Returns {(label, series):
+    (x, y)} of the bars drawn."""
+    h = 0.8 / max(1, len(series))
+    drawn = {}
+    for i, ser in enumerate(series):
+        ys, xs = [], []
+        for j, lab in enumerate(labels):
+            v = value(lab, ser)
+            if v is not None:
+                ys.append(j - 0.4 + h * (i + 0.5))
+                xs.append(v)
+                drawn[(lab, ser)] = (v, ys[-1])
+        ax.barh(ys, xs, h, label=ser, hatch=hatch, edgecolor="white" if hatch else None)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_ylim(len(labels) - 0.5, -0.5)  # the first label on top
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    return drawn
+
+
+def throughput_figure(rows, projections=(), spread=None):
+    """The throughput plot as a matplotlib figure (None without matplotlib), one panel under the other: per
+    model, the measured samples/s of every algorithm (horizontal bars, one per network, P and straggler
+    condition), then, with projections (``--project``), the cost model's projected speed-up over DDP,
+    hatched and titled PROJECTED. Both axes are labelled and algorithm names are whole. A model whose
+    floors drifted apart (``floor_spread``) says so above its panel, and a bar whose row beat its floor
+    is marked "! below its floor"."""
     plt = _pyplot()
     if plt is None:
-        return
-    models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        rs = [r for r in rows if r["model"] == model]
-        def where(r):
-            return f"{r['network']} P={r['world_size']}" + (f" straggler={r['straggler']}"
-                                                              if r["straggler"] != "none" else "")
-        nets = list(dict.fromkeys(where(r) for r in rs))
-        algs = list(dict.fromkeys(r["algorithm"] for r in rs))
-        width = 0.8 / max(1, len(nets))
-        for i, net in enumerate(nets):
-            vals = []
-            for a in algs:
-                m = [r for r in rs if r["algorithm"] == a and where(r) == net]
-                vals.append(m[0]["samples_per_s"] if m else 0)
-            ax.bar([j + i * width for j in range(len(algs))], vals, width, label=net)
-        ax.set_xticks([j + width * (len(nets) - 1) / 2 for j in range(len(algs))])
-        ax.set_xticklabels([a[:22] for a in algs], rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"throughput, {model}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "throughput.png"), dpi=110)
+        return None
 
+    def where(r):
+        return f"{r['network']} P={r['world_size']}" + (f" straggler={r['straggler']}" if r["straggler"] != "none" else "")
+
+    def proj_where(p):
+        return f"{p['network']} P={p['world_size']} (projected)"
+
+    panels = []  # (model, projected?, algorithms, series)
+    for model in sorted({r["model"] for r in rows}):
+        rs = [r for r in rows if r["model"] == model]
+        panels.append((model, False, list(dict.fromkeys(r["algorithm"] for r in rs)),
+                       list(dict.fromkeys(where(r) for r in rs))))
+        ps = [p for p in projections or [] if p["model"] == model]
+        if ps:
+            panels.append((model, True, list(dict.fromkeys(p["algorithm"] for p in ps)),
+                           list(dict.fromkeys(proj_where(p) for p in ps))))
+    heights = [1.8 + len(algs) * max(0.3, 0.17 * len(series)) for _, _, algs, series in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (model, projected, algs, series) in zip(axes[:, 0], panels):
+        if projected:
+            ps = {(p["algorithm"], proj_where(p)): p for p in projections if p["model"] == model}
+            drawn = _hbars(ax, algs, series, lambda a, s: ps[(a, s)]["speedup_vs_ddp"] if (a, s) in ps else None,
+                           hatch="//")
+            for x, y in drawn.values():
+                ax.text(x, y, f" {x:.3g}x", va="center", fontsize=6)
+            xs = [x for x, _ in drawn.values() if x > 0]
+            log = bool(xs) and max(xs) / min(xs) > 30  # one sparse row at P=1024 would flatten the rest
+            if log:
+                ax.set_xscale("log")
+            ax.axvline(1.0, color="grey", linewidth=1, linestyle="--")
+            ax.set_xlabel("speed-up over DDP, PROJECTED by the cost model (x; 1 = DDP; higher is faster"
+                          + ("; log scale)" if log else ")"))
+            ax.set_ylabel("algorithm (cost model's name)")
+            ax.set_title(_wrap(f"PROJECTED, not measured: {model} at the sizes of --project, by the cost model "
+                               "from the floor and the link measured in this run"), fontsize=9, loc="left")
+            continue
+        rs = {(r["algorithm"], where(r)): r for r in rows if r["model"] == model}
+        drawn = _hbars(ax, algs, series, lambda a, s: rs[(a, s)]["samples_per_s"] if (a, s) in rs else None)
+        marked = [(x, y) for key, (x, y) in drawn.items() if rs[key].get("below_floor")]
+        for x, y in marked:
+            ax.text(x, y, " ! below its floor", va="center", fontsize=7, color="firebrick")
+        if marked:  # room for the marks inside the panel
+            ax.set_xlim(0, max(x for x, _ in drawn.values()) * 1.3)
+        ax.set_xlabel("samples/s, measured (P x batch / s per step; higher is faster)")
+        ax.set_ylabel("algorithm")
+        notes = [f"! the machine's speed moved during the run: floors of {d['model']} at P={d['world_size']} "
+                 f"{d['min_s']:.3f}-{d['max_s']:.3f} s ({d['ratio']:.2f}x apart): bars measured at different "
+                 "times are not comparable" for d in spread or [] if d["drifted"] and d["model"] == model]
+        if marked:
+            notes.append(f"! {len(marked)} bar{'s' if len(marked) > 1 else ''} faster than "
+                         f"{'their' if len(marked) > 1 else 'its'} compute floor: the machine's speed moved "
+                         "between floor and row")
+        ax.set_title(_wrap(f"throughput of {model}, measured") + "".join("\n" + _wrap(n) for n in notes),
+                     fontsize=9, loc="left", color="firebrick" if notes else "black")
+    fig.tight_layout()
+    return fig
 
 
 # ---- convergence mode -----------------------------------------------------------------------------------------
@@ -636,7 +826,7 @@ def write_convergence_outputs(rows, out_dir, summary=None):
         fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
         for ax, (network, P) in zip(axes[0], panels):
             for r in (r for r in rs if (r["network"], r["world_size"]) == (network, P)):
-                ax.plot([c[1] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["algorithm"][:30])
+                ax.plot([c[1] for c in r["curve"]], [c[2] for c in r["curve"]], marker=".", label=r["algorithm"])
             ax.axhline(rs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
             ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
             ax.set_ylabel(f"held-out {rs[0]['metric']}")
@@ -646,7 +836,7 @@ def write_convergence_outputs(rows, out_dir, summary=None):
             ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"convergence_{model}.png"
-        fig.savefig(os.path.join(out_dir, name), dpi=110)
+        fig.savefig(os.path.join(out_dir, name), dpi=110, bbox_inches="tight")  # whole legend labels
         plt.close(fig)
         written.append(name)
     return written

@@ -56,7 +56,13 @@ ranks other than the straggler (all ranks with no straggler), ``straggler``, ``o
 rank's own rate, batch / rank_s_per_step, since no rank waits for the others) and ``speedup_vs_ddp``
 (samples/s over that of the DDP row, named in ``ddp_baseline``, of the same network, P, model and
 straggler condition, with the same optimizer if the matrix has such a DDP row, else plain DDP),
-``floor_s`` the compute floor this cell is compared with and ``vs_floor`` = step_s / floor_s.
+``floor_s`` the compute floor this cell is compared with (the median of its repeats' floors, each
+measured in the middle of its repeat's cells: ``rotation``), ``vs_floor`` = step_s / floor_s and
+``below_floor`` (vs_floor < 1: only a change of the machine's speed makes a row beat its floor; the table
+marks it ``!``). ``results.json`` also has ``floor_spread`` (``report.floor_spread``): per model and P, how
+far apart its floors were; beyond 1.25x the table and the plot say the machine's speed moved during the
+run. ``throughput.png`` (``report.throughput_figure``): measured samples/s per algorithm, and the
+``--project`` projections in a panel of their own, titled PROJECTED.
 """
 import argparse
 import datetime
@@ -73,10 +79,9 @@ from ..bucket import plan_model_buckets
 from . import convergence, netem
 from .config import load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
-from .report import (auto_convergence_report, auto_report, combine_seeds, convergence_figures,
-                     print_convergence_table,
-                     print_table, projection_report, summarize, summarize_convergence, write_convergence_outputs,
-                     write_outputs)
+from .report import (auto_convergence_report, auto_report, combine_seeds, convergence_figures, floor_spread,
+                     print_convergence_table, print_table, projection_report, summarize, summarize_convergence,
+                     write_convergence_outputs, write_outputs)
 from .timing import time_cell
 from .zoo import fresh_model
 
@@ -104,6 +109,29 @@ def _compute_floor(model_name, batches, cfg):
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
+
+
+FLOOR = "floor"  # the compute floor's place in a repeat's rotation (``rotation``)
+
+
+def rotation(cfg):
+    """What one repeat measures for a (network, P, model), in order: every straggler condition's cells
+    (``(straggler, cell)``) with one compute floor (``FLOOR``) among them, in the middle.
+
+    The floor divides the rows (``x floor``), so it is measured inside each repeat, next in time to the
+    cells it divides: a machine whose speed drifts over minutes moves a repeat's floor and its rows alike,
+    and each row's floor is the median of its own repeats' floors. In the middle, no cell of the repeat
+    is more than half a rotation away from it (first, the last cell would be a whole rotation away), at
+    the same cost. One floor per repeat, not one per cell: a floor is ``warmup_steps`` + max(8, ``steps``) steps
+    without communication, about a cheap cell's time, so it adds about 1/N to a repeat of N cells, where
+    a floor before every cell (``floor_each_cell: true``, then the only floors) adds about as much as the
+    cells themselves. ``repeats`` >= 2 gives each row several floors and the run several to compare, so
+    a drift shows (``report.floor_spread``)."""
+    cells = [(s, c) for s in cfg["stragglers"] for c in cfg["algorithms"]]
+    if cfg["floor_each_cell"]:
+        return cells
+    mid = len(cells) // 2
+    return cells[:mid] + [FLOOR] + cells[mid:]
 
 
 def worker_main(cfg, network, result_path, phase="run"):
@@ -146,30 +174,31 @@ def worker_main(cfg, network, result_path, phase="run"):
         model0, spec = fresh_model(model_name)
         numel = sum(p.numel() for p in model0.parameters())
         batches = make_batches(spec, cfg["batch_size"], cfg["warmup_steps"] + cfg["max_steps"], rank)
-        floor = _compute_floor(model_name, batches, cfg)
         # the buckets DistributedModel will make
         bucket_numels = [sum(p.numel() for p in b) for b in plan_model_buckets(model0, cfg["bucket_size_mb"])]
-        emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
-              "step_s": floor, "bucket_numels": bucket_numels})
-        # repeats of the whole list of algorithms, then straggler conditions, then algorithms
-        for repeat, straggler, cell in [(r, s, c) for r in range(cfg["repeats"])
-                                        for s in cfg["stragglers"] for c in cfg["algorithms"]]:
-            # the floor next to this cell in time (floor_each_cell), or the model's
-            cell_floor = _compute_floor(model_name, batches, cfg) if cfg["floor_each_cell"] else floor
-            res = time_cell(cell, cfg, model_name, batches, rank, world, straggler)
-            work = cost_model.Workload(numel=numel, compute_s=cell_floor, bucket_numels=bucket_numels)
-            if straggler != "none":
-                pred = {"skipped": "the cost model knows no stragglers"}
-            else:
-                try:
-                    pred = cost_model.predict(cell["name"], cell["options"], world, work, net, machine)
-                except Exception as e:  # noqa: BLE001  (a model gap must not lose the measurement)
-                    pred = {"error": str(e)}
-            emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
-                  "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
-                  "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": cell_floor,
-                  "model_floor_s": floor, "repeat": repeat,
-                  "numel": numel, "batch_size": cfg["batch_size"], "prediction": pred, **res})
+
+        def measure_floor(repeat, before=None):
+            step_s = _compute_floor(model_name, batches, cfg)
+            emit({"kind": "floor", "network": network, "world_size": world, "model": model_name, "numel": numel,
+                  "step_s": step_s, "bucket_numels": bucket_numels, "repeat": repeat,
+                  **({"before": before} if before else {})})
+            return step_s
+
+        for repeat in range(cfg["repeats"]):
+            for item in rotation(cfg):
+                if item is FLOOR:
+                    measure_floor(repeat)
+                    continue
+                straggler, cell = item
+                # floor_each_cell: this cell's own floor, measured right before it; otherwise the report
+                # gives the cell its repeat's floor (measured mid-rotation, maybe after this cell)
+                before = cell["label"] + (f" [straggler {straggler}]" if straggler != "none" else "")
+                own = measure_floor(repeat, before) if cfg["floor_each_cell"] else None
+                res = time_cell(cell, cfg, model_name, batches, rank, world, straggler)
+                emit({"kind": "cell", "network": network, "world_size": world, "model": model_name,
+                      "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
+                      "optimizer": cell.get("optimizer", "sgd"), "straggler": straggler, "floor_s": own,
+                      "repeat": repeat, "numel": numel, "batch_size": cfg["batch_size"], **res})
     if owned:
         dist.destroy_process_group()
 
@@ -409,7 +438,8 @@ def main(argv=None):
         print(f"wrote {args.out}/results.json, results.csv" + "".join(f", {w}" for w in written))
         return
     rows = summarize(records)
-    print_table(rows)
+    spread = floor_spread(records)
+    print_table(rows, spread=spread)
     tuned = {r.get("malloc_tuned") for r in records if r["kind"] == "network"}
     print("allocator: " + ("malloc keeps freed blocks for reuse (bagua_lite.tune_cpu_allocator) in every worker, "
                            "so the floor, DDP and our algorithms share it" if tuned == {True} else
@@ -424,7 +454,7 @@ def main(argv=None):
         print("cost model error vs measured (median |pred-meas|/meas): "
               + ", ".join(f"P={p}: {statistics.median(e):.0%}" for p, e in sorted(by_p.items())))
     projections = projection_report(records, project) if project else []
-    write_outputs(rows, projections, args.out)
+    write_outputs(rows, projections, args.out, spread)
     print(f"wrote {args.out}/results.json, results.csv, throughput.png")
 
 
