@@ -68,8 +68,10 @@ setup(
     # other torch comes along) and Hugging Face's GPT-2 built from a config (hf_gpt2).
     # Integrations, each optional (the core needs only torch, numpy and pyyaml): bagua_lite.lightning's strategy,
     # DistributedModel under Accelerate, Hugging Face models. Each accepts the installed torch, which pip keeps.
+    # [lightning] is the unified `lightning` package (`import lightning as L`); the strategy works as well with
+    # the `pytorch-lightning` package, for scripts that import pytorch_lightning.
     extras_require={"test": ["pytest", "hypothesis", "scikit-learn"], "benchmark": ["matplotlib"],
-                    "lightning": ["pytorch-lightning>=2.1"], "accelerate": ["accelerate>=1.0"],
+                    "lightning": ["lightning>=2.1"], "accelerate": ["accelerate>=1.0"],
                     "hf": ["transformers>=4.40"],
                     "torchft": ["torchft==0.2.0", "opentelemetry-sdk>=1.39", "opentelemetry-exporter-otlp-proto-http>=1.39"],
                     "transformers": ["transformers"]},

@@ -1,12 +1,13 @@
-"""PyTorch Lightning strategy: a Lightning ``Trainer`` trains through a bagua_lite :class:`DistributedModel`.
+"""Lightning strategy: a Lightning ``Trainer`` trains through a bagua_lite :class:`DistributedModel`.
 
-Install the extra (``pip install bagua_lite[lightning]``, i.e. ``pytorch-lightning>=2``) and pass the
-strategy to the Trainer; the LightningModule stays as it is::
+Install the extra (``pip install bagua_lite[lightning]``, i.e. the ``lightning>=2.1`` package; the older
+``pytorch-lightning`` package works as well) and pass the strategy to the Trainer; the LightningModule stays
+as it is::
 
-    import pytorch_lightning as pl, torch, torch.nn.functional as F
+    import lightning as L, torch, torch.nn.functional as F   # or: import pytorch_lightning as L
     from bagua_lite.lightning import BaguaLiteStrategy
 
-    class Classifier(pl.LightningModule):
+    class Classifier(L.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -21,9 +22,17 @@ strategy to the Trainer; the LightningModule stays as it is::
     torch.manual_seed(0)                 # the same data set in every process; Lightning's sampler shards it
     x = torch.randn(512, 20)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, :4].argmax(1)), batch_size=32)
-    trainer = pl.Trainer(accelerator="cpu", devices=4, max_epochs=2,
-                         strategy=BaguaLiteStrategy(algorithm="gtopk", bucket_size_mb=25))
+    trainer = L.Trainer(accelerator="cpu", devices=4, max_epochs=2,
+                        strategy=BaguaLiteStrategy(algorithm="gtopk", bucket_size_mb=25))
     trainer.fit(Classifier(), data)      # Lightning launches the 4 processes (or run it under torchrun)
+
+Lightning comes as two packages, ``lightning`` (``lightning.pytorch``, ``lightning.fabric``) and
+``pytorch_lightning`` (with ``lightning_fabric``), whose classes do not mix: a Trainer takes only its own
+package's strategies. ``BaguaLiteStrategy(...)`` is made for the package the script imported (neither yet:
+the installed one, ``lightning`` first), a subclass of that package's ``DDPStrategy``, and
+``isinstance(trainer.strategy, BaguaLiteStrategy)`` holds for both; a subclass of BaguaLiteStrategy is made
+the same way. A process that imported both says which: ``strategy_class("lightning")(...)`` or
+``strategy_class("pytorch_lightning")(...)`` (``BaguaLiteStrategy(...)`` refuses to guess).
 
 ``algorithm`` is a registered name (``"gtopk"``), a YAML config (a path, or a shipped config's name such
 as ``"bytegrad"``: its ``bucket_size_mb`` is used unless you pass one) or an :class:`~bagua_lite.Algorithm`
@@ -41,9 +50,17 @@ instance. What happens, against a Lightning DDP run:
   ``DistributedModel.no_sync()``, through :meth:`block_backward_sync`; so does
   ``LightningOptimizer.toggle_model(sync_grad=False)``) train exactly as bagua_lite's plain loop:
   ``tests/test_lightning.py`` compares final weights and optimizer state bit for bit for every built-in
-  algorithm at 4 processes. Gradient clipping, LR schedulers and precision plugins act where they act in a
-  plain loop (clipping between backward and step); clipping or unscaling a ``.grad`` that holds more than
-  a gradient (topk/gtopk momentum correction, qadam) is refused by the DistributedModel, as without Lightning.
+  algorithm at 4 processes, through either package. Gradient clipping and LR schedulers act where they act
+  in a plain loop (clipping between backward and step); clipping a ``.grad`` that holds more than a gradient
+  (topk/gtopk momentum correction, qadam) is refused by the DistributedModel, as without Lightning.
+- Precision plugins: ``precision="bf16-mixed"`` runs the training step under ``torch.autocast``: as the
+  plain loop with its forward and loss under ``torch.autocast(device, dtype=torch.bfloat16)``. ``"16-mixed"``:
+  the plugin's GradScaler becomes the DistributedModel's ``grad_scaler``: as the plain loop with
+  ``DistributedModel(..., grad_scaler=scaler)``, ``scaler.scale(loss).backward()``, ``scaler.step(opt)``,
+  ``scaler.update()`` (an overflow skips the step on every rank; the scaler's state is in the checkpoint).
+  Both are compared bit for bit on CPU by the tests. On CPU, Lightning turns ``Trainer(precision="16-mixed")``
+  into bf16-mixed (with a warning); for fp16 there, give the strategy ``precision_plugin=MixedPrecision(
+  "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))`` (``MixedPrecision`` from ``lightning.pytorch.plugins``).
 - Checkpoints: the Lightning checkpoint (written by rank 0, keys of the LightningModule's own
   ``state_dict``, no ``module.`` prefix) also carries rank 0's algorithm state (residuals, momenta, copies,
   step count) and RNG state under ``"bagua_lite"``; every other rank r writes its own weights, optimizer
@@ -60,34 +77,34 @@ size or rank differs from the Trainer's; resuming from a checkpoint written with
 Under manual optimization the algorithm's ``before_forward`` runs once per ``training_step`` (the step is
 the wrapped forward), as for a plain loop with one forward per step.
 """
+import importlib
+import importlib.util
 import os
+import sys
+import threading
+import types
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Optional, Union
 
-try:
-    import pytorch_lightning as pl
-    from pytorch_lightning.strategies import DDPStrategy
-except ImportError as e:  # pragma: no cover - exercised by a test that hides pytorch_lightning
-    raise ImportError(
-        "bagua_lite.lightning needs PyTorch Lightning (pytorch-lightning >= 2.0): "
-        "pip install bagua_lite[lightning]  (or: pip install pytorch-lightning)") from e
-
 import torch
 import torch.distributed as dist
-from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.optimizer import _optimizers_to_device
-from pytorch_lightning.overrides.distributed import _sync_module_states
-from pytorch_lightning.strategies.strategy import Strategy, _ForwardRedirection
-from pytorch_lightning.trainer.states import TrainerFn
+from torch.distributed.constants import default_pg_timeout  # Lightning's DDPStrategy default, from torch
 
 from . import checkpoint as _ckpt
 from .algorithm import Algorithm, build, registered
 from .config import load_config
 from .distributed import DistributedModel
 
-__all__ = ["BaguaLiteStrategy"]
+__all__ = ["BaguaLiteStrategy", "strategy_class"]
+
+# each Lightning package: (its trainer side, its fabric side); two class hierarchies that do not mix
+PACKAGES = {"lightning": ("lightning.pytorch", "lightning.fabric"),
+            "pytorch_lightning": ("pytorch_lightning", "lightning_fabric")}
+if not any(importlib.util.find_spec(p) is not None for p in PACKAGES):
+    raise ImportError("bagua_lite.lightning needs Lightning (>= 2.1): pip install bagua_lite[lightning]  "
+                      "(or: pip install lightning, or pip install pytorch-lightning)")
 
 SIDE_SUFFIX = ".bagua_lite"  # <checkpoint>.bagua_lite/rank<r>.pt holds rank r's own state (r >= 1)
 
@@ -103,8 +120,63 @@ def _side_file(filepath, rank: int) -> str:
     return os.path.join(_side_dir(filepath), f"rank{rank}.pt")
 
 
-class BaguaLiteStrategy(DDPStrategy):
-    """Train with a bagua_lite relaxation under a Lightning ``Trainer`` (see the module docstring).
+def _library(package: str) -> types.SimpleNamespace:
+    """What the strategy takes from one Lightning package."""
+    trainer_side, fabric_side = PACKAGES[package]
+    mod = importlib.import_module  # imported here: the package is the user's, known when a strategy is made
+    strategy = mod(f"{trainer_side}.strategies.strategy")
+    return types.SimpleNamespace(
+        package=package, DDPStrategy=mod(f"{trainer_side}.strategies").DDPStrategy, Strategy=strategy.Strategy,
+        ForwardRedirection=strategy._ForwardRedirection, TrainerFn=mod(f"{trainer_side}.trainer.states").TrainerFn,
+        sync_module_states=mod(f"{trainer_side}.overrides.distributed")._sync_module_states,
+        optimizers_to_device=mod(f"{fabric_side}.utilities.optimizer")._optimizers_to_device)
+
+
+_BOUND, _BOUND_LOCK = {}, threading.Lock()
+
+
+def _bind(cls, package: str) -> type:
+    """``cls`` (BaguaLiteStrategy or a subclass of it) over ``package``'s DDPStrategy; one class per pair."""
+    with _BOUND_LOCK:
+        if (cls, package) not in _BOUND:
+            lib = _library(package)
+            attrs = dict(_lib=lib, _origin=(cls, package), __module__=cls.__module__, __doc__=cls.__doc__,
+                         __qualname__=f"{cls.__qualname__}[{package}]")  # its repr names the package
+            _BOUND[cls, package] = types.new_class(cls.__name__, (cls, lib.DDPStrategy),
+                                                   exec_body=lambda ns: ns.update(attrs))
+        return _BOUND[cls, package]
+
+
+def _restore(cls, package: str):
+    """Unpickling a strategy of a class made by :func:`_bind` (its state follows)."""
+    return object.__new__(_bind(cls, package))
+
+
+def _user_package() -> str:
+    """The Lightning package a ``BaguaLiteStrategy(...)`` is made for: the one this process imported, else the
+    installed one (``lightning`` first). Both imported: ambiguous, so refused."""
+    imported = [p for p, (trainer_side, _) in PACKAGES.items() if sys.modules.get(trainer_side) is not None]
+    if len(imported) > 1:
+        raise ValueError(
+            "BaguaLiteStrategy: this process imported both Lightning packages (lightning.pytorch and "
+            "pytorch_lightning), whose Trainers accept only their own strategies; say which one the Trainer is "
+            "from: bagua_lite.lightning.strategy_class(\"lightning\")(...) for lightning.Trainer / "
+            "lightning.pytorch.Trainer, or strategy_class(\"pytorch_lightning\")(...) for pytorch_lightning.Trainer")
+    return imported[0] if imported else next(p for p in PACKAGES if importlib.util.find_spec(p) is not None)
+
+
+def strategy_class(package: str = "lightning") -> type:
+    """The :class:`BaguaLiteStrategy` class of one Lightning package: ``"lightning"`` (a subclass of
+    ``lightning.pytorch.strategies.DDPStrategy``) or ``"pytorch_lightning"`` (of
+    ``pytorch_lightning.strategies.DDPStrategy``). The same class on every call; a subclass of BaguaLiteStrategy."""
+    if package not in PACKAGES:
+        raise ValueError(f"strategy_class: package must be one of {sorted(PACKAGES)}, got {package!r}")
+    return _bind(BaguaLiteStrategy, package)
+
+
+class BaguaLiteStrategy:
+    """Train with a bagua_lite relaxation under a Lightning ``Trainer`` (see the module docstring). An instance
+    is one of ``strategy_class(package)`` for the Lightning package this process imported.
 
     Args:
         algorithm: a registered name (``"gtopk"``), a YAML config (path or shipped name) or an
@@ -117,13 +189,25 @@ class BaguaLiteStrategy(DDPStrategy):
 
     Example::
 
-        trainer = pl.Trainer(accelerator="cpu", devices=4, accumulate_grad_batches=2,
-                             strategy=BaguaLiteStrategy("streaming_diloco"))  # a shipped config, by name
+        trainer = L.Trainer(accelerator="cpu", devices=4, accumulate_grad_batches=2,
+                            strategy=BaguaLiteStrategy("streaming_diloco"))  # a shipped config, by name
         trainer.fit(model, loader)
         trainer.fit(model, loader, ckpt_path="lightning_logs/version_0/checkpoints/last.ckpt")  # resumes
     """
 
     strategy_name = "bagua_lite"
+    _lib: Optional[types.SimpleNamespace] = None  # the Lightning package's names, set on the bound classes
+
+    def __new__(cls, *args, **kwargs):
+        if cls._lib is None:  # BaguaLiteStrategy or a subclass of it: over the DDPStrategy of the user's package
+            cls = _bind(cls, _user_package())
+        return object.__new__(cls)
+
+    def __reduce_ex__(self, protocol):
+        origin = type(self).__dict__.get("_origin")
+        if origin is None:  # a class bound in the user's own source: pickled by name, as usual
+            return super().__reduce_ex__(protocol)
+        return _restore, origin, self.__getstate__()  # Lightning's __getstate__, then its __setstate__
 
     def __init__(self, algorithm: Union[str, os.PathLike, Algorithm] = "gradient_allreduce",
                  bucket_size_mb: Optional[float] = None, broadcast_buffers: bool = True,
@@ -157,7 +241,7 @@ class BaguaLiteStrategy(DDPStrategy):
         self._pending_state = None  # this rank's bagua_lite state read by load_checkpoint, applied after the optimizer
         # DistributedModel is a DDP in type only: DDPStrategy's redirection and backward hooks would reach for DDP's
         # reducer flags, which it does not have (no_sync is the one switch, and block_backward_sync uses it)
-        self._forward_redirection = _ForwardRedirection()
+        self._forward_redirection = self._lib.ForwardRedirection()
 
     # ---- set-up ------------------------------------------------------------------------------------------
     @property
@@ -184,10 +268,10 @@ class BaguaLiteStrategy(DDPStrategy):
                 f"process is its rank {dist.get_rank()}, but the Trainer expects world size {self.world_size} and "
                 f"rank {self.global_rank} (devices x num_nodes, and LOCAL_RANK/NODE_RANK); make them agree")
 
-    def setup(self, trainer: "pl.Trainer") -> None:
+    def setup(self, trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        fitting = trainer.state.fn == self._lib.TrainerFn.FITTING
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -197,10 +281,10 @@ class BaguaLiteStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             self._wrap()
         else:
-            _sync_module_states(self.model)  # evaluation only: every rank runs rank 0's weights, as DDP
+            self._lib.sync_module_states(self.model)  # evaluation only: every rank runs rank 0's weights, as DDP
         self.setup_precision_plugin()
         if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            self._lib.optimizers_to_device(self.optimizers, self.root_device)
 
     def _wrap(self) -> None:
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
@@ -228,10 +312,10 @@ class BaguaLiteStrategy(DDPStrategy):
             yield None
 
     def pre_backward(self, closure_loss) -> None:
-        Strategy.pre_backward(self, closure_loss)  # not DDPStrategy's: there is no DDP reducer to prepare
+        self._lib.Strategy.pre_backward(self, closure_loss)  # not DDPStrategy's: there is no DDP reducer to prepare
 
     def post_backward(self, closure_loss) -> None:
-        Strategy.post_backward(self, closure_loss)
+        self._lib.Strategy.post_backward(self, closure_loss)
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     @property
