@@ -17,7 +17,9 @@ accelerator given, the DistributedModel is:
   refused by ``load_state`` with the reason, as is one of another world size, algorithm or bucket layout.
 
 Checked before any traffic: the accelerator runs the processes of the model's group (a one-process
-Accelerator, such as ``accelerate launch --cpu`` starts, is refused with the command that starts N).
+Accelerator, such as ``accelerate launch --cpu`` starts, is refused with the command that starts N), and
+it does not compile in ``prepare`` (``dynamo_backend``: refused, since prepare keeps this model as it is;
+``torch.compile(model)`` after prepare compiles it).
 """
 import functools
 import os
@@ -52,6 +54,13 @@ def check(accelerator, grad_scaler):
             f"process {accelerator.process_index}, but the default process group has world size "
             f"{dist.get_world_size()} and this is its rank {dist.get_rank()}; build the Accelerator in every "
             f"process of the job, before the DistributedModel")
+    backend = getattr(getattr(getattr(accelerator, "state", None), "dynamo_plugin", None), "backend", None)
+    if backend is not None and str(getattr(backend, "value", backend)).upper() != "NO":
+        raise ValueError(
+            f"DistributedModel: the Accelerator compiles the models it prepares (dynamo backend "
+            f"{getattr(backend, 'value', backend)}), but prepare keeps a DistributedModel as it is, so it would "
+            f"run uncompiled; build the Accelerator without dynamo_backend and compile the prepared model "
+            f"yourself: model = torch.compile(model)")
     scaler = getattr(accelerator, "scaler", None)
     if grad_scaler is not None and scaler is not None and grad_scaler is not scaler:
         raise ValueError("DistributedModel: grad_scaler differs from the accelerator's GradScaler, which "

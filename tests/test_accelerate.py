@@ -192,7 +192,19 @@ def _r_refusals(rank, world):
     except RuntimeError as e:
         out["ddp"] = str(e)
     model.close()
-    # 2. DistributedModel(net, prepared_optimizer): the AcceleratedOptimizer takes no step hooks
+    # 2. an Accelerator that compiles in prepare, which keeps a DistributedModel as it is
+    from accelerate.state import AcceleratorState
+    AcceleratorState._reset_state()  # the dynamo backend is fixed per process state: a new one, then back
+    try:
+        net = _net()
+        bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1),
+                                    accelerator=_accelerator(dynamo_backend="inductor")).close()
+        out["dynamo"] = None
+    except ValueError as e:
+        out["dynamo"] = str(e)
+    AcceleratorState._reset_state()
+    acc = _accelerator()
+    # 3. DistributedModel(net, prepared_optimizer): the AcceleratedOptimizer takes no step hooks
     net = _net()
     prepared = acc.prepare(torch.optim.SGD(net.parameters(), lr=0.1))
     try:
@@ -208,6 +220,8 @@ def test_wrong_orders_are_refused_on_every_rank(cluster):
         assert o["wrapped_in"] == "DistributedDataParallel"
         assert o["ddp"] is not None and "runs inside a DistributedDataParallel" in o["ddp"] \
             and "accelerator=accelerator" in o["ddp"], o["ddp"]
+        assert o["dynamo"] is not None and "compiles the models it prepares" in o["dynamo"] \
+            and "torch.compile(model)" in o["dynamo"], o["dynamo"]
         assert o["wrapper_opt"] is not None and "AcceleratedOptimizer" in o["wrapper_opt"] \
             and "accelerator=accelerator) first" in o["wrapper_opt"], o["wrapper_opt"]
 
