@@ -7,28 +7,30 @@
 #
 # Arguments add what a command needs besides the core (each keeps the installed torch, checked below):
 #   test        pytest, hypothesis, scikit-learn, cmake, and the integrations the tests cover (lightning and
-#               pytorch-lightning: the strategy is tested under both packages; accelerate, hf) at the versions
-#               they were tested with
+#               pytorch-lightning: the strategy is tested under both packages; accelerate, hf; torchft, whose
+#               DiLoCo the porting test runs) at the versions they were tested with
 #   benchmark   matplotlib (plots) and scikit-learn (the digits task)
 #   lightning | accelerate | hf   one integration (lightning: the unified `lightning` package)
+#   torchft     torchft, for the benchmark's torchft_diloco row
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 
 LIGHTNING="lightning==2.6.6" PYTORCH_LIGHTNING="pytorch-lightning==2.6.6"
-ACCELERATE="accelerate==1.15.0" HF="transformers==5.24.0"
+ACCELERATE="accelerate==1.15.0" HF="transformers==5.24.0" TORCHFT="torchft==0.2.0"
 extras=()
 need_cmake=0
 for what in "$@"; do
   case "$what" in
-    test) extras+=(pytest hypothesis scikit-learn "$LIGHTNING" "$PYTORCH_LIGHTNING" "$ACCELERATE" "$HF")
+    test) extras+=(pytest hypothesis scikit-learn "$LIGHTNING" "$PYTORCH_LIGHTNING" "$ACCELERATE" "$HF" "$TORCHFT")
           need_cmake=1 ;;
     benchmark) extras+=(matplotlib scikit-learn) ;;
     lightning) extras+=("$LIGHTNING") ;;
     accelerate) extras+=("$ACCELERATE") ;;
     hf) extras+=("$HF") ;;
-    *) echo "install.sh: unknown argument '$what' (allowed: test, benchmark, lightning, accelerate, hf)" >&2
+    torchft) extras+=("$TORCHFT") ;;
+    *) echo "install.sh: unknown argument '$what' (allowed: test, benchmark, lightning, accelerate, hf, torchft)" >&2
        exit 2 ;;
   esac
 done
