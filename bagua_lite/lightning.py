@@ -93,8 +93,8 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout  # Lightning's DDPStrategy default, from torch
 
 from . import checkpoint as _ckpt
-from .algorithm import Algorithm, build, registered
-from .config import load_config
+from .algorithm import Algorithm
+from .config import algorithm_from
 from .distributed import DistributedModel
 
 __all__ = ["BaguaLiteStrategy", "strategy_class"]
@@ -218,21 +218,9 @@ class BaguaLiteStrategy:
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
-        if isinstance(algorithm, Algorithm):
-            spec, config_bucket = ("instance", algorithm), None
-        elif isinstance(algorithm, (str, os.PathLike)):
-            text = os.fspath(algorithm)
-            if text in registered() and not os.path.isfile(text):
-                build(text)  # a registered name: its defaults, checked now
-                spec, config_bucket = ("name", text), None
-            else:
-                cfg = load_config(text)  # validated here, on the Trainer's line, before any process starts
-                spec, config_bucket = ("config", text), cfg.bucket_size_mb
-        else:
-            raise TypeError(f"BaguaLiteStrategy: algorithm must be a registered name, a YAML config path or a "
-                            f"bagua_lite.Algorithm, got {type(algorithm).__name__}")
-        self._algorithm_spec = spec
-        self._instance_used = False
+        # validated here, on the Trainer's line, before any process starts; used by the first fit
+        self._first, config_bucket = algorithm_from(algorithm, "BaguaLiteStrategy")
+        self._algorithm_arg = algorithm
         self.bucket_size_mb = float(bucket_size_mb if bucket_size_mb is not None else
                                     config_bucket if config_bucket is not None else 25.0)
         self.broadcast_buffers = bool(broadcast_buffers)
@@ -250,15 +238,11 @@ class BaguaLiteStrategy:
         return self._distributed_model
 
     def _new_algorithm(self) -> Algorithm:
-        kind, value = self._algorithm_spec
-        if kind == "name":
-            return build(value)
-        if kind == "config":
-            return load_config(value).algorithm
-        if not self._instance_used:
-            self._instance_used = True
-            return value
-        return type(value)(**value.options())  # a second fit: a fresh instance, same options
+        first, self._first = self._first, None
+        if first is not None:
+            return first
+        arg = self._algorithm_arg  # a later fit: a fresh instance with the same options
+        return type(arg)(**arg.options()) if isinstance(arg, Algorithm) else algorithm_from(arg, "BaguaLiteStrategy")[0]
 
     def setup_distributed(self) -> None:
         super().setup_distributed()  # joins an existing default group instead of making one

@@ -561,6 +561,12 @@ def test_the_strategy_is_of_the_package_the_script_imported(monkeypatch):
         assert got == {"package": package, "imported": [package], "checks": [True] * 7}, (package, got)
     with pytest.raises(ValueError, match="package must be one of"):
         strategy_class("lightning.pytorch")
+    # algorithm= takes what DistributedModel takes, checked on the Trainer's line
+    cls = strategy_class("lightning")
+    with pytest.raises(ValueError, match=r"BaguaLiteStrategy: unknown algorithm 'gtopkk'; known algorithms: .*gtopk"):
+        cls("gtopkk")
+    assert cls("bytegrad").bucket_size_mb == bagua_lite.load_config("bytegrad").bucket_size_mb
+    assert cls("bytegrad", bucket_size_mb=3).bucket_size_mb == 3.0 and cls("gtopk").bucket_size_mb == 25.0
 
 
 # ---- Lightning's own launcher: `python tests/test_lightning.py --launch OUT PACKAGE`, Trainer(devices=2) --------
