@@ -32,6 +32,7 @@ from .config import algorithm_from
 from .scheduler import Scheduler
 from .services import Services
 from .step_hooks import StepHooks
+from .wrappable import check_wrappable
 
 
 class _Port:
@@ -159,6 +160,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 f"AcceleratedOptimizer is one): build the DistributedModel with the optimizer you created, then "
                 f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer, "
                 f"accelerator=accelerator) first, then accelerator.prepare(model, optimizer, loader))")
+        check_wrappable(module)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
                              "times per step, so ranks would run different numbers of communication rounds; use an "

@@ -1,0 +1,33 @@
+"""What a DistributedModel may wrap: a module that every rank holds whole and that no other data-parallel
+wrapper averages. Checked before any traffic, so that a sharded or doubly wrapped model is refused with
+its reason instead of training silently wrong.
+
+- Parameters that are DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank holds a shard, while
+  every algorithm here exchanges whole parameters and gradients across ranks. Relaxations across replicas
+  of a sharded model are not built yet; FSDP2's own HSDP (``fully_shard`` over a 2-D mesh) averages across
+  replicas meanwhile.
+- A ``DistributedDataParallel`` (or another DistributedModel) inside: it would average every gradient a
+  second time.
+"""
+import torch
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+
+def check_wrappable(module, who="DistributedModel"):
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
+    for name, m in module.named_modules():
+        if isinstance(m, DistributedDataParallel):
+            where = "the module itself" if name == "" else f"its submodule {name!r}"
+            raise ValueError(
+                f"{who}: {where} is a {type(m).__name__}, which averages gradients itself; wrapping it would "
+                f"average every gradient twice. Pass the plain module (the DDP's .module)")
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"{who}: parameter {name!r} is a DTensor sharded over {p.device_mesh} (FSDP2's fully_shard or "
+                f"tensor parallelism), but a DistributedModel exchanges whole parameters and gradients, which "
+                f"every rank must hold. Relaxations across replicas of a sharded model are not supported yet; "
+                f"for data parallelism across replicas of an FSDP2 model use fully_shard over a 2-D "
+                f"(replicate, shard) mesh (FSDP2's HSDP)")
