@@ -136,6 +136,7 @@ def test_real_network_roundtrip():
     if not AVAILABLE:
         assert WHY  # see test_available_reports_reason: the reason is the result here
         return
+    before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN in a run started under nohup
     with EmulatedNetwork(2, "1gbit") as net:
         tag = net.tag
         # Everything exists: namespaces, bridge, host veth ends with tbf, namespace ends with tbf and address.
@@ -169,7 +170,7 @@ def test_real_network_roundtrip():
         assert net._host_if(0) not in links0 and net.bridge not in links0
     assert _leftovers(tag) == []
     net.cleanup()  # idempotent
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_cleanup_on_exception_and_handlers_restored():
@@ -219,8 +220,11 @@ def test_cleanup_on_signal(sig):
     if not AVAILABLE:
         assert WHY
         return
+    # the child starts with SIGINT's default disposition even where this run inherited it ignored (nohup, a
+    # background job): Python then installs KeyboardInterrupt for it, as in a terminal
     p = subprocess.Popen([sys.executable, "-c", _SIGNAL_CHILD, netem.__file__],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         tag = p.stdout.readline().strip()
         assert tag, p.stderr.read()
