@@ -18,7 +18,7 @@ PORTS = os.path.join(ROOT, "examples", "porting")
 DOC = os.path.join(ROOT, "docs", "porting.md")
 LOSS = re.compile(r"(rank|replica) (\d+) (iter|step) ([0-9.]+): loss ([0-9.e+-]+)")
 
-# (original, port, the most lines the port may add (goal of issue 39), how each one is launched)
+# (original, port, the most lines the port may add: the goals of docs/porting.md)
 CASES = {
     "nanogpt": ("nanogpt_ddp.py", "nanogpt_bagua_lite.py", 5),
     "accelerate": ("accelerate_ddp.py", "accelerate_bagua_lite.py", 7),
