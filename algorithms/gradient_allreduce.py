@@ -56,7 +56,12 @@ class GradientAllReduce(Algorithm):
             local = lambda n, i: cm.compressed_allreduce_s(c, P, n, machine, residual=feedback)  # noqa: E731
         return cm.Traffic("buckets", *cm.per_bucket(numels, P, comm_, local, machine))
 
+    on_shards = True  # the bucket is an FSDP unit's reduce-scattered gradient (not hierarchical)
+
     def init(self, model):
+        if model.sharded and self.hierarchical:
+            raise ValueError(f"{self.name}: hierarchical=True is not supported on shards of an FSDP2 model (the "
+                             f"replicate group already spans nodes only); use hierarchical=False")
         feedback = self.compressor is not None and self.compressor.error_feedback
         self.residuals = [torch.zeros_like(b.flat) if feedback else None for b in model.buckets]
         # checkpointed, and put back by the framework if a round is discarded (some rank's gradient non-finite)
@@ -103,7 +108,7 @@ class GradientAllReduce(Algorithm):
         return self.compression == "fp16" and not self.hierarchical
 
     def on_gradient(self, bucket, position, grad):
-        if self._cast_allreduce() or (not self.hierarchical and self.compression == "none"):
+        if self._cast_allreduce() or (not self.hierarchical and self.compression == "none" and not self.model.sharded):
             # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
             # extra pass over the bucket (DDP does the same; the result is sum_i(g_i / P)).
             return self.fill(bucket, position, grad, 1.0 / self.world_size)
@@ -117,7 +122,8 @@ class GradientAllReduce(Algorithm):
                 self._hierarchical_allreduce(flat)
             return [hierarchical]
         if self.compression == "none":
-            return [self.native.AllreduceOp(self.process_group, False)]  # pre-scaled in on_gradient
+            # pre-scaled in on_gradient; on shards summed and then divided, as FSDP2's own HSDP does (bit for bit)
+            return [self.native.AllreduceOp(self.process_group, self.model.sharded)]
         if self._cast_allreduce():
             half = torch.empty(bucket.numel, dtype=torch.float16, device=bucket.device)
             pg, P = self.process_group, self.world_size

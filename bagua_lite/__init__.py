@@ -16,6 +16,7 @@ from .elastic import MembershipChanged, MembershipError  # noqa: F401
 from .launch import init_process_group  # noqa: F401
 from .ranks import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size  # noqa: F401
 from .runtime import tune_cpu_allocator  # noqa: F401
+from .sharded import ShardedModel  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -17,7 +17,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
 The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
 ``sync_gradients`` and ``after_step``) is what a relaxation usually writes.
 
-**Every algorithm: 28 names.** Hooks, in the order of one training step:
+**Every algorithm: 30 names.** Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
@@ -51,12 +51,14 @@ synchronise them per step to time it, and ranks may take different numbers of st
 ``step_dependent_wire`` (what the buckets send depends on the step count, a warm-up or a density schedule:
 ranks then compare step counts before any bucket travels); ``cycle`` (steps after which its communication
 pattern repeats: 1 for most, a periodic relaxation's period; the benchmark times whole cycles);
+``on_shards`` (it runs across the replicas of an FSDP2-sharded model, :class:`bagua_lite.ShardedModel`);
 ``traffic(options, P, bucket_numels, ...)``, a classmethod describing what it moves, so that the cost model
 predicts it and auto can pick it.
 
 What it sees of the model (``model``): ``buckets``, ``params``, ``optimizer``, ``process_group``, ``rank``,
-``world_size`` (``process_group`` and ``world_size`` also on the algorithm), ``run_collective("what", fn)``
-and ``check_in_step(what)``. Collectives an algorithm runs itself, outside the buckets (a periodic weight
+``world_size`` (``process_group`` and ``world_size`` also on the algorithm), ``sharded`` (True under
+:class:`bagua_lite.ShardedModel`: buckets and ``params`` are this rank's shards, the group its replicas),
+``run_collective("what", fn)`` and ``check_in_step(what)``. Collectives an algorithm runs itself, outside the buckets (a periodic weight
 average, a wait for a peer exchange), go through ``run_collective``: ``fn()`` runs on the engine thread while
 the training thread waits with fail fast (a peer's failure raises ``PeerFailedError`` within a second, not
 after the process group's timeout); a hook that raises tells the peers this model failed.
@@ -131,6 +133,9 @@ class Algorithm:
     heals_itself: bool = False
     #: whether workers waiting to join may be admitted now (auto says no while it probes)
     admits_joiners: bool = True
+    #: runs across the replicas of an FSDP2-sharded model (:class:`bagua_lite.ShardedModel`): its buckets are
+    #: then one per FSDP unit, each rank's reduce-scattered shard, and ``model.params`` the local shards
+    on_shards: bool = False
 
     def __init__(self):
         self.step = 0

@@ -133,6 +133,9 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
     """
 
 
+    #: whole parameters on every rank (:class:`bagua_lite.ShardedModel`'s is True: algorithms see shards)
+    sharded = False
+
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: Union[str, os.PathLike, Algorithm] = "gradient_allreduce",
                  bucket_size_mb: Optional[float] = None,

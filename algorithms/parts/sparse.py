@@ -28,6 +28,8 @@ from .feedback import SparseMemory
 
 
 class ErrorFeedbackSparsifier(Algorithm):
+    #: on shards of an FSDP2 model the selection is per FSDP unit's shard (docs/hsdp.md), without momentum correction
+    on_shards = True
     use_block_max = True  # selection reads only the blocks that can hold the top k (False: the whole bucket)
 
     def __init__(self, density: float = 0.001, warmup_densities: Sequence[float] = (),
@@ -65,6 +67,11 @@ class ErrorFeedbackSparsifier(Algorithm):
         self.selection.allocate(model.buckets, self.use_block_max)
         self._correction = _momentum.MomentumCorrection(self.name, self.momentum_correction)
         self._correction.resolve(model)
+        if model.sharded and self._correction.active:
+            raise ValueError(f"{self.name}: momentum correction (the default with an SGD optimizer with momentum) "
+                             f"applies the update in the optimizer's place, which it cannot on the DTensor shards of "
+                             f"an FSDP2 model; pass momentum_correction=0 (the optimizer's momentum then acts on the "
+                             f"sparse averages)")
         self.memory = SparseMemory(model.buckets, momentum=self._correction.active)
         # Between steps a bucket holds only the last kept sparse result; remembering where it wrote lets
         # the next step clear k entries instead of the whole bucket (None: clear everything). A round's

@@ -1,0 +1,251 @@
+"""ShardedModel: a bagua_lite relaxation across the replicas of a model sharded with FSDP2 (HSDP).
+
+Inside each replica group FSDP2 runs as the user set it up (``fully_shard(block, mesh=mesh["shard"])``):
+it gathers the weights for forward and backward and reduce-scatters the gradients, so each rank holds its
+shard of every weight and of every gradient. Nothing crosses replicas except what the algorithm sends,
+and it sends each rank's shards, across the replicate group only (rank s of every replica holds the same
+shard):
+
+- gradient relaxations (gradient_allreduce with any codec, topk, gtopk) run in FSDP2's all-reduce hook
+  (``FSDPModule.set_all_reduce_hook``), where FSDP2 hands each unit's reduce-scattered gradient, one flat
+  tensor per unit: that tensor is the unit's bucket. With no codec the hook sums over the replicas and
+  divides, which is FSDP2's own HSDP bit for bit;
+- weight relaxations (local_sgd, diloco, streaming diloco) act on the local shards after the optimizer's
+  step, exact because their math is elementwise: sharded DiLoCo equals unsharded DiLoCo over the same
+  replicas.
+
+The step around them is DistributedModel's (the same refusals, agreement and fail fast): a closure, a
+GradScaler, clipping and ``set_requires_gradient_sync`` work as they do under FSDP2 alone. Details and
+what is refused: docs/hsdp.md.
+"""
+import functools
+import os
+from typing import Union
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _compat, _control, agreement, step_hooks
+from ._failfast import FailFast
+from .agreement import RoundAgreement
+from .algorithm import Algorithm, registered, registered_class
+from .bucket import Bucket
+from .config import algorithm_from
+from .services import Services
+from .shard_units import find_units, resolve_groups
+from .step_hooks import StepHooks
+
+WHO = "ShardedModel"
+
+
+class ShardedModel(StepHooks, Services, RoundAgreement):
+    """Run ``algorithm`` across the replicas of ``module``, a model sharded with FSDP2's ``fully_shard`` over
+    the shard dimension of a (replicate, shard) mesh, stepped by ``optimizer``.
+
+    ``mesh``: the 2-D ``DeviceMesh`` with dimensions named ``"replicate"`` and ``"shard"`` whose shard
+    dimension the model was sharded over; or ``replicate_group``: the process group of this rank's replicas
+    (rank s of each replica group). ``algorithm``: a name, an :class:`Algorithm` or a config, as for
+    :class:`~bagua_lite.DistributedModel`; those that act on shards are accepted (``Algorithm.on_shards``),
+    the others refused here, before any traffic. ``broadcast_parameters`` (default True): every replica
+    starts from replica 0's shards. ``grad_scaler``: the loop's ``torch.amp.GradScaler``, as for
+    DistributedModel.
+
+    The model stays the user's: call it, step the optimizer, clip its DTensor gradients and save it with
+    ``torch.distributed.checkpoint`` as without bagua_lite. This object adds the algorithm's state
+    (:meth:`state_dict`, a ``Stateful`` for ``torch.distributed.checkpoint``) and :meth:`close`.
+
+    Example::
+
+        mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+        for block in net.blocks:
+            fully_shard(block, mesh=mesh["shard"])
+        fully_shard(net, mesh=mesh["shard"])
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        relaxed = bagua_lite.ShardedModel(net, opt, algorithm="diloco", mesh=mesh)
+        for x, y in loader:
+            loss_fn(net(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+
+    #: what an algorithm sees: it runs on each rank's shards (buckets: one per FSDP unit, ``params``: the local
+    #: shards), across ``process_group``, the replicate group
+    sharded = True
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 algorithm: Union[str, os.PathLike, Algorithm] = "gradient_allreduce", *, mesh=None,
+                 replicate_group=None, broadcast_parameters: bool = True, grad_scaler=None):
+        self._hooks, self._engine = [], None
+        algorithm, _ = algorithm_from(algorithm, WHO)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{WHO}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"{WHO}: grad_scaler must be a torch.amp.GradScaler or None, got "
+                            f"{type(grad_scaler).__name__}")
+        if not getattr(type(algorithm), "on_shards", False):
+            raise ValueError(f"{WHO}: {algorithm.name} does not run on shards of an FSDP2 model; those that do: "
+                             f"{', '.join(on_shards())}")
+        group, shard_mesh = resolve_groups(mesh, replicate_group, WHO)
+        if not dist.is_initialized():
+            raise RuntimeError(f"{WHO}: torch.distributed is not initialized")
+        if not _compat.takes_cpu_tensors(group) or not _compat.takes_cpu_tensors(dist.group.WORLD):
+            raise ValueError(f"{WHO}: the replicate group and the default group must carry CPU tensors (gloo, or "
+                             f"init_process_group(\"cpu:gloo,cuda:nccl\")): the step agreement travels on them")
+        self.units = find_units(module, shard_mesh, group, WHO)
+        self.module, self.optimizer, self.algorithm = module, optimizer, algorithm
+        self.configured_algorithm = algorithm
+        self.process_group, self.rank, self.world_size = group, group.rank(), group.size()
+        self.membership, self._elastic = None, None
+        self.bucket_size_mb = 0.0  # one bucket per FSDP unit (in the config check's digest)
+        self.grad_scaler = grad_scaler
+        self._failfast = FailFast(dist.get_rank())
+        self._no_tensor = torch.empty(0)
+        self._engine_abandoned = False
+        self._nonfinite_error, self._local_bad, self._unsynced = None, None, False
+        self._backward_active, self._round_scales = False, None
+        self._agreed = torch.zeros(3, dtype=torch.int64)
+        self._check_same_config()
+        self.params = []  # the local shards, in module order: what weight relaxations average
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.requires_grad:
+                    self.params.append(p.to_local())
+            if broadcast_parameters and self.world_size > 1:
+                src = dist.get_global_rank(group, 0)
+                for t in self.params:
+                    dist.broadcast(t, src, group=group)
+        self.buckets = []
+        for u in self.units:
+            p = u.params[0]
+            self.buckets.append(Bucket(u.index, [torch.zeros(u.numel, dtype=p.dtype, device=p.to_local().device)]))
+        self._engine = _C.Engine()
+        self._param_ids = {id(p) for p in module.parameters()}
+        self._hooks = [optimizer.register_step_pre_hook(self._before_step),
+                       optimizer.register_step_post_hook(lambda *_: self._after_step()),
+                       module.register_forward_pre_hook(self._pre_forward)]
+        for u in self.units:
+            u.module.set_all_reduce_hook(functools.partial(self._on_reduced, u))
+        step_hooks.watch_foreign_steps(self)
+        algorithm.model = self
+        algorithm.init(self)
+        for b in self.buckets:
+            b.ops = list(algorithm.bucket_ops(b))
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    @torch.compiler.disable
+    def _pre_forward(self, _module, _args):
+        self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
+        if torch.is_grad_enabled():
+            self._settle_skipped_step()
+        self._algorithm_hook(self.algorithm.before_forward)
+
+    def _on_reduced(self, unit, out: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook of ``unit``: ``out`` is this rank's reduce-scattered gradient of the unit
+        (averaged inside the replica); it leaves holding what the algorithm makes of it across replicas."""
+        b = self.buckets[unit.index]
+        if out.numel() != b.numel or out.dtype != b.dtype:
+            raise RuntimeError(
+                f"{WHO}: FSDP2 handed unit {unit.name or '<root>'!r} a reduced gradient of {out.numel()} {out.dtype} "
+                f"elements, {b.numel} {b.dtype} expected (a MixedPrecisionPolicy whose reduce_dtype differs from "
+                f"the parameters' is not supported yet)")
+        if not self.algorithm.sync_gradients():
+            if self._local_bad is None and not _C.all_finite(out):  # stays local: this rank skips the step
+                name = unit.first_nonfinite(out)
+                self._local_bad = unit.params[unit.names.index(name) if name in unit.names else 0]
+            return
+        if not self._backward_active:
+            self._start_round()
+        if self._round_scales is not None:  # the algorithm sees the true gradient (as DistributedModel's)
+            out.mul_(self._round_scales[1])
+        self.algorithm.on_gradient(b, 0, out)
+        ops = b.ops if self._round_scales is None else \
+            list(b.ops) + [lambda flat, s=self._round_scales[0]: flat.mul_(s)]
+        self._engine.submit(b.index, b.flat, ops)
+        self._wait_engine()
+        out.copy_(b.flat)
+
+    def _start_round(self):
+        self._backward_active = True
+        self._round_scales = _compat.scaler_scales(self.grad_scaler)
+        self._nonfinite_error = None
+        self.algorithm.nonfinite_buckets.clear()
+        self.algorithm.kept_state.begin_round()
+        if self.algorithm.step_dependent_wire:  # sizes depend on the step: agree before the first unit travels
+            self._agree(0)
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_round)
+
+    def _finish_round(self):
+        """After the last unit's hook: one MAX allreduce over every rank of (a non-finite gradient anywhere,
+        step, -step); the round is kept, or discarded on every rank alike (``.grad`` NaN everywhere)."""
+        self._backward_active = False
+        if not self._agree(1 if self.algorithm.nonfinite_buckets else 0):
+            self.algorithm.commit_round()
+            return
+        self.algorithm.kept_state.roll_back()
+        with torch.no_grad():
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.to_local().fill_(float("nan"))
+        self._nonfinite_error = (
+            f"bagua_lite: non-finite gradient (inf or NaN) at step {self.algorithm.step} on some rank; every rank "
+            f"skipped this round: .grad is NaN on all ranks and {self.algorithm.name}'s state is as before it. A "
+            f"loss scaler (torch.amp.GradScaler) skips such steps; without one, optimizer.step() refuses to apply "
+            f"it (this is rank {dist.get_rank()}). Look for what produced the inf/NaN: learning rate, loss, inputs")
+
+    def _agree(self, bad: int) -> bool:
+        """One MAX allreduce over every rank of (bad, step, -step): raise on every rank if the step counts
+        differ (nothing applied); return whether any rank had ``bad``."""
+        self._agreed[0] = bad
+        agreement.encode(self.algorithm.step, self._agreed[1:])
+        try:
+            dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX)
+        except RuntimeError as e:
+            self._failfast.announce(f"the step agreement failed: {e}")
+            raise
+        lo, hi = int(-self._agreed[2]), int(self._agreed[1])
+        if lo != hi:
+            msg = (f"bagua_lite: ranks are out of step: a synchronised backward ran at optimizer step counts {lo} "
+                   f"to {hi} (this is rank {dist.get_rank()} at {self.algorithm.step}). Every rank must call "
+                   f"backward() and optimizer.step() the same number of times; nothing was applied in this round")
+            self.algorithm.kept_state.roll_back()
+            self._failfast.announce(msg)
+            raise RuntimeError(msg)
+        return bool(self._agreed[0])
+
+    # ---- the rest of the public face -------------------------------------------------------------------------
+    @property
+    def control_group(self):
+        return _control.of(self.process_group)
+
+    def switch_algorithm(self, algorithm):
+        raise NotImplementedError(f"{WHO}: switching algorithms (auto) is not supported on shards")
+
+    def state_dict(self) -> dict:
+        """This rank's algorithm state (residuals, anchors, outer optimizer), under a key of its own rank:
+        ``torch.distributed.checkpoint`` saves every rank's, and each rank loads its own back."""
+        self._settle_skipped_step()
+        return {f"rank{dist.get_rank()}": self.algorithm.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        key = f"rank{dist.get_rank()}"
+        if key not in state:
+            raise ValueError(f"{WHO}: the saved state has no {key!r} (saved on {len(state)} ranks, with keys "
+                             f"{sorted(state)[:4]}...): resume on the same mesh")
+        self.algorithm.load_state_dict(state[key])
+
+    def close(self) -> None:
+        """Remove the hooks, end the algorithm's own work and stop the engine thread."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for u in self.units:
+            u.module.set_all_reduce_hook(None)
+        step_hooks.forget(self)
+        try:
+            self.algorithm.close()
+        finally:
+            if self._engine is not None and not self._engine_abandoned:
+                self._engine.shutdown()
+
+
+def on_shards():
+    """The registered algorithms that run on the shards of an FSDP2 model."""
+    return [n for n in registered() if getattr(registered_class(n), "on_shards", False)]
