@@ -71,13 +71,9 @@ class DiLoCo(DiLoCoMembership, Algorithm):
     def traffic(cls, o, P, numels, elem_bytes=4, machine=None, rank=None):
         return family_traffic(o, P, numels, elem_bytes, machine, rank)
 
-    on_shards = True  # the weights it averages are the local shards, the same on every replica's rank s
+    on_shards = True  # the weights it averages are the local shards, the same piece on every replica's rank s
 
     def init(self, model):
-        if model.sharded and self.overlap:
-            raise ValueError(f"{self.name}: overlap={self.overlap} is not supported on shards of an FSDP2 model yet "
-                             f"(its thread's process group would be made by every rank with different members); "
-                             f"use overlap=0")
         if len(model.params) < self.fragments:
             raise ValueError(f"{self.name}: fragments={self.fragments} but the model has {len(model.params)} "
                              f"parameter tensors; use at most that many fragments")

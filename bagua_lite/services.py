@@ -1,6 +1,7 @@
 """What an algorithm uses of its DistributedModel besides its buckets, parameters, optimizer, group, rank and
 world size: running its own collectives on the engine with fail fast, and the peers' failure news."""
 from ._failfast import PeerFailedError
+from ._groups import new_group_like
 
 
 class Services:
@@ -27,6 +28,11 @@ class Services:
             except PeerFailedError:
                 return True
         return False
+
+    def new_group(self):
+        """A new process group over this model's ranks, with its timeout, for an algorithm's own traffic (a
+        thread's). Collective: every rank of the job calls it, in the same order."""
+        return new_group_like(self.process_group)
 
     def wait_for(self, event) -> None:
         """``event.wait()`` for an algorithm's own thread's work, raising :class:`PeerFailedError` if a peer

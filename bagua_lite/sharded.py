@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import _C, _compat, _control, agreement, step_hooks
 from ._failfast import FailFast
+from ._groups import new_group_like
 from .agreement import RoundAgreement
 from .algorithm import Algorithm, registered, registered_class
 from .bucket import Bucket
@@ -214,6 +215,18 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
     @property
     def control_group(self):
         return _control.of(self.process_group)
+
+    def new_group(self):
+        """A new replicate group for an algorithm's own traffic: every rank makes every replica group's copy,
+        in the same order (``dist.new_group`` is collective over the job), and keeps its own."""
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, dist.get_process_group_ranks(self.process_group))
+        mine = None
+        for ranks in sorted({tuple(r) for r in rows}):
+            group = new_group_like(self.process_group, list(ranks))
+            if dist.get_rank() in ranks:
+                mine = group
+        return mine
 
     def switch_algorithm(self, algorithm):
         raise NotImplementedError(f"{WHO}: switching algorithms (auto) is not supported on shards")

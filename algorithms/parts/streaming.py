@@ -12,7 +12,6 @@ import threading
 import torch
 
 from bagua_lite import _control, agreement
-from bagua_lite._groups import new_group_like
 from bagua_lite._worker import Worker
 
 
@@ -68,7 +67,7 @@ class Background:
     """The thread that runs syncs (``submit``) one after another on its own process group."""
 
     def __init__(self, model, name):
-        self.group = new_group_like(model.process_group)  # collective: every rank builds it, in order
+        self.group = model.new_group()  # collective: every rank builds it, in order
         self.worker = Worker(f"bagua_lite-{name}")
         self._steps = torch.zeros(2, dtype=torch.int64)
 
