@@ -53,6 +53,9 @@ class PowerSGD(Algorithm):
         """Two allreduces per bucket after the warm-up (``powersgd_plan.traffic``)."""
         return powersgd_plan.traffic(o, P, numels, elem_bytes, machine, rank)
 
+    #: on shards of an FSDP2 model each rank's block of rows is approximated on its own (docs/hsdp.md)
+    on_shards = True
+
     def compressible(self, param) -> bool:
         return powersgd_plan.compressible(tuple(param.shape), self.rank, self.min_compression_rate)
 

@@ -16,8 +16,9 @@ REPLICATE, SHARD = "replicate", "shard"  # the mesh dimension names torch's HSDP
 
 
 class Unit:
-    """One FSDP unit: the module, the parameters it owns (not those of nested units), and the length of
-    the reduce-scattered gradient FSDP2 hands its all-reduce hook on this rank."""
+    """One FSDP unit: the module, the parameters it owns (not those of nested units, in FSDP2's order:
+    module order), and the layout of the reduce-scattered gradient FSDP2 hands its all-reduce hook on this
+    rank: each parameter's shard padded to whole rows of ceil(dim0 / shards), back to back."""
 
     def __init__(self, index: int, name: str, module, params: List[Tuple[str, torch.nn.Parameter]], shards: int):
         self.index, self.name, self.module = index, name, module
@@ -25,13 +26,18 @@ class Unit:
         self.params = [p for _, p in params]
         # each parameter's shard: dim 0 split in ``shards`` chunks of ceil(dim0 / shards) rows (the last ones
         # padded), so every rank's flat gradient has the same length, and this rank's unpadded rows
-        self.offsets, self.lengths, n = [], [], 0
+        self.offsets, self.lengths, self.shapes, n = [], [], [], 0
         for p in self.params:
-            rows = -(-p.shape[0] // shards)
+            shape = (-(-p.shape[0] // shards),) + tuple(p.shape[1:])  # the padded shard: whole rows
             self.offsets.append(n)
             self.lengths.append(p.to_local().numel())
-            n += rows * (p.numel() // max(1, p.shape[0]))
+            self.shapes.append(shape)
+            n += torch.Size(shape).numel()
         self.numel = n
+
+    def slots(self, flat: torch.Tensor) -> List[torch.Tensor]:
+        """Each parameter's padded shard in ``flat``, shaped like it (rows, ...)."""
+        return [flat[o:o + torch.Size(s).numel()].view(s) for o, s in zip(self.offsets, self.shapes)]
 
     def first_nonfinite(self, flat: torch.Tensor) -> Optional[str]:
         """The name of the first parameter whose slice of ``flat`` holds inf/NaN, or None."""

@@ -113,10 +113,11 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
                 src = dist.get_global_rank(group, 0)
                 for t in self.params:
                     dist.broadcast(t, src, group=group)
+        # a bucket per unit, a slot per parameter shaped like its padded shard (PowerSGD sees matrices)
         self.buckets = []
         for u in self.units:
-            p = u.params[0]
-            self.buckets.append(Bucket(u.index, [torch.zeros(u.numel, dtype=p.dtype, device=p.to_local().device)]))
+            like = u.params[0].to_local()
+            self.buckets.append(Bucket(u.index, [torch.empty(s, dtype=like.dtype, device=like.device) for s in u.shapes]))
         self._engine = _C.Engine()
         self._param_ids = {id(p) for p in module.parameters()}
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
@@ -156,7 +157,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             self._start_round()
         if self._round_scales is not None:  # the algorithm sees the true gradient (as DistributedModel's)
             out.mul_(self._round_scales[1])
-        self.algorithm.on_gradient(b, 0, out)
+        for j, grad in enumerate(unit.slots(out)):
+            self.algorithm.on_gradient(b, j, grad)
         ops = b.ops if self._round_scales is None else \
             list(b.ops) + [lambda flat, s=self._round_scales[0]: flat.mul_(s)]
         self._engine.submit(b.index, b.flat, ops)

@@ -11,6 +11,8 @@
 - Codecs: every replica holds the same weights (gradient codecs) or the same anchor (DiLoCo's outer weights)
   after every step, streaming DiLoCo with overlap included.
 """
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -209,6 +211,37 @@ def test_gtopk_selects_per_shard(c4):
             assert torch.equal(a["grad"], b["grad"])
 
 
+def _r_layout(rank, world):
+    """Where FSDP2 put each parameter's sharded .grad in the flat tensor it handed the unit's hook (it views
+    that tensor), against the unit's layout: offsets and padded shapes."""
+    net, mesh = _sharded(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    relaxed = bagua_lite.ShardedModel(net, opt, algorithm="gradient_allreduce", mesh=mesh)
+    handed = {}
+    for u in relaxed.units:
+        hook = functools.partial(relaxed._on_reduced, u)  # noqa: SLF001 - the test watches the hook's input
+        u.module.set_all_reduce_hook(lambda out, u=u, hook=hook: (handed.__setitem__(u.index, out), hook(out)))
+    x, y = _batches(rank, 1)[0]
+    ((net(x) - y) ** 2).mean().backward()
+    out = []
+    for u in relaxed.units:
+        base = handed[u.index]
+        assert base.numel() == u.numel
+        for p, offset, shape in zip(u.params, u.offsets, u.shapes):
+            local = p.grad.to_local()
+            out.append(((local.data_ptr() - base.data_ptr()) // base.element_size(), offset,
+                        tuple(local.shape[1:]), shape[1:], local.shape[0] <= shape[0]))
+    relaxed.close()
+    return out
+
+
+def test_unit_layout_is_fsdp2s(c4):
+    for rank_layout in c4.run(_r_layout):
+        assert len(rank_layout) == 6  # 3 units x (weight, bias)
+        for at, offset, cols, padded_cols, fits in rank_layout:
+            assert at == offset and cols == padded_cols and fits
+
+
 def _r_anchors(net, relaxed):
     return [a.clone() for frag in relaxed.algorithm.frags for a in frag.anchors]
 
@@ -219,6 +252,8 @@ def _r_anchors(net, relaxed):
     {"name": "gradient_allreduce", "compression": "sign"},
     {"name": "topk", "density": 0.1, "momentum_correction": 0},
     {"name": "gtopk", "density": 0.1, "momentum_correction": 0},
+    {"name": "gtopk", "density": 0.1, "momentum_correction": 0, "layerwise": True},
+    {"name": "powersgd", "rank": 1, "min_compression_rate": 1.0},
 ])
 def test_gradient_codecs_keep_replicas_identical(c6, spec):
     out = c6.run(_r_train, 3, 2, spec)
