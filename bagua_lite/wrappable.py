@@ -3,9 +3,8 @@ wrapper averages. Checked before any traffic, so that a sharded or doubly wrappe
 its reason instead of training silently wrong.
 
 - Parameters that are DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank holds a shard, while
-  every algorithm here exchanges whole parameters and gradients across ranks. Relaxations across replicas
-  of a sharded model are not built yet; FSDP2's own HSDP (``fully_shard`` over a 2-D mesh) averages across
-  replicas meanwhile.
+  a DistributedModel exchanges whole parameters and gradients across ranks. Relaxations across the
+  replicas of an FSDP2-sharded model are :class:`bagua_lite.ShardedModel`'s.
 - A ``DistributedDataParallel`` (or another DistributedModel) inside: it would average every gradient a
   second time.
 """
@@ -28,6 +27,6 @@ def check_wrappable(module, who="DistributedModel"):
             raise ValueError(
                 f"{who}: parameter {name!r} is a DTensor sharded over {p.device_mesh} (FSDP2's fully_shard or "
                 f"tensor parallelism), but a DistributedModel exchanges whole parameters and gradients, which "
-                f"every rank must hold. Relaxations across replicas of a sharded model are not supported yet; "
-                f"for data parallelism across replicas of an FSDP2 model use fully_shard over a 2-D "
-                f"(replicate, shard) mesh (FSDP2's HSDP)")
+                f"every rank must hold. For a relaxation across the replicas of an FSDP2 model, shard it over "
+                f"the shard dimension of a 2-D (replicate, shard) mesh and use bagua_lite.ShardedModel(model, "
+                f"optimizer, algorithm=..., mesh=mesh) (docs/hsdp.md)")

@@ -50,3 +50,16 @@ def test_the_quickstart_runs_as_pasted_from_anywhere(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     loss = float(re.search(r"GTopK\(.*\): final loss ([0-9.]+)", out.stdout).group(1))
     assert loss < 0.7, out.stdout  # chance on the toy task is log(4) = 1.39
+
+
+def test_the_sharded_snippet_runs_as_pasted_from_anywhere(tmp_path):
+    """The FSDP2 (HSDP) section's script, under torchrun on 4 processes: 2 replicas x 2 shards."""
+    block = re.search(r"## Sharded models.*?```python\n(.*?)```", README, re.S).group(1)
+    assert "bagua_lite.ShardedModel(" in block
+    (tmp_path / "hsdp.py").write_text(block)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+                          "hsdp.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = re.search(r"DiLoCo\((.*)\): final loss ([0-9.]+)", out.stdout)
+    assert found and "fragments=2" in found.group(1) and "overlap=2" in found.group(1), out.stdout
