@@ -16,8 +16,8 @@ REPLICATE, SHARD = "replicate", "shard"  # the mesh dimension names torch's HSDP
 
 
 class Unit:
-    """One FSDP unit: the module, the parameters it owns (not those of nested units, in FSDP2's order:
-    module order), and the layout of the reduce-scattered gradient FSDP2 hands its all-reduce hook on this
+    """One FSDP unit: the module, the trainable parameters it owns (not those of nested units; in FSDP2's
+    order, the module's), and the layout of the reduce-scattered gradient FSDP2 hands its all-reduce hook on this
     rank: each parameter's shard padded to whole rows of ceil(dim0 / shards), back to back."""
 
     def __init__(self, index: int, name: str, module, params: List[Tuple[str, torch.nn.Parameter]], shards: int):
@@ -105,7 +105,7 @@ def find_units(module, shard_mesh, replicate_group, who: str) -> List[Unit]:
                          f"{world}: every rank must be in one replica group and one shard group")
     out = []
     for name, m in units:
-        mine = [(pname, p) for p, (unit, pname) in owner.items() if unit == name]
+        mine = [(pname, p) for p, (unit, pname) in owner.items() if unit == name and p.requires_grad]
         if mine:
             out.append(Unit(len(out), name, m, mine, shards))
     return out

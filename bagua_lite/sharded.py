@@ -104,21 +104,27 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._backward_active, self._round_scales = False, None
         self._agreed = torch.zeros(3, dtype=torch.int64)
         self._check_same_config()
-        self.params = []  # the local shards, in module order: what weight relaxations average
-        with torch.no_grad():
-            for p in module.parameters():
-                if p.requires_grad:
-                    self.params.append(p.to_local())
+        with torch.no_grad():  # every parameter's shard, frozen ones too: replicas start alike
             if broadcast_parameters and self.world_size > 1:
                 src = dist.get_global_rank(group, 0)
-                for t in self.params:
-                    dist.broadcast(t, src, group=group)
+                for p in module.parameters():
+                    dist.broadcast(p.to_local(), src, group=group)
+        #: the local shards of the trainable parameters, in module order: what weight relaxations average
+        self.params = [p.to_local() for p in module.parameters() if p.requires_grad]
         # a bucket per unit, a slot per parameter shaped like its padded shard (PowerSGD sees matrices)
         self.buckets = []
         for u in self.units:
             like = u.params[0].to_local()
             self.buckets.append(Bucket(u.index, [torch.empty(s, dtype=like.dtype, device=like.device) for s in u.shapes]))
         self._engine = _C.Engine()
+        algorithm.model = self
+        try:  # the algorithm's own refusals come before any hook is in place
+            algorithm.init(self)
+            for b in self.buckets:
+                b.ops = list(algorithm.bucket_ops(b))
+        except BaseException:
+            self._engine.shutdown()
+            raise
         self._param_ids = {id(p) for p in module.parameters()}
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(lambda *_: self._after_step()),
@@ -126,10 +132,6 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         for u in self.units:
             u.module.set_all_reduce_hook(functools.partial(self._on_reduced, u))
         step_hooks.watch_foreign_steps(self)
-        algorithm.model = self
-        algorithm.init(self)
-        for b in self.buckets:
-            b.ops = list(algorithm.bucket_ops(b))
 
     # ---- one step ------------------------------------------------------------------------------------------
     @torch.compiler.disable
@@ -146,8 +148,9 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         if out.numel() != b.numel or out.dtype != b.dtype:
             raise RuntimeError(
                 f"{WHO}: FSDP2 handed unit {unit.name or '<root>'!r} a reduced gradient of {out.numel()} {out.dtype} "
-                f"elements, {b.numel} {b.dtype} expected (a MixedPrecisionPolicy whose reduce_dtype differs from "
-                f"the parameters' is not supported yet)")
+                f"elements, {b.numel} {b.dtype} expected: a parameter of the unit got no gradient in this backward "
+                f"(unused: call model.set_reduce_scatter_unused_params(True), as DDP's find_unused_parameters), or a "
+                f"MixedPrecisionPolicy's reduce_dtype differs from the parameters' (not supported yet)")
         if not self.algorithm.sync_gradients():
             if self._local_bad is None and not _C.all_finite(out):  # stays local: this rank skips the step
                 name = unit.first_nonfinite(out)
@@ -234,17 +237,59 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         raise NotImplementedError(f"{WHO}: switching algorithms (auto) is not supported on shards")
 
     def state_dict(self) -> dict:
-        """This rank's algorithm state (residuals, anchors, outer optimizer), under a key of its own rank:
-        ``torch.distributed.checkpoint`` saves every rank's, and each rank loads its own back."""
+        """This rank's part, under a key of its own rank: ``torch.distributed.checkpoint`` saves every rank's,
+        and each rank loads its own back (resume on the same mesh).
+
+        - ``"algorithm"``: the algorithm's state (residuals, anchors, outer optimizer, a sync in flight) as one
+          serialized object. DCP loads into the tensors a fresh run's state dict already has, and a fresh
+          algorithm lacks some of what a running one keeps (the outer optimizer's momentum appears at its first
+          step, a sync in flight only while one is), so this part travels as bytes, whatever its structure.
+        - ``"weights"`` and ``"optimizer"``: this rank's local weight shards, and the optimizer's sharded state
+          of each (by parameter name); only under an algorithm whose replicas train apart between syncs (one
+          that overrides ``sync_gradients``: DiLoCo, local SGD). Their weights and inner optimizer states then
+          differ across replicas, while DCP saves one copy of each shard of the model's and the optimizer's
+          state dicts for all replicas (it takes equal DTensor shards on different ranks for copies)."""
+        import io
+
         self._settle_skipped_step()
-        return {f"rank{dist.get_rank()}": self.algorithm.state_dict()}
+        blob = io.BytesIO()
+        torch.save(self.algorithm.state_dict(), blob)
+        mine = {"algorithm": blob.getvalue()}
+        if type(self.algorithm).sync_gradients is not Algorithm.sync_gradients:
+            params = dict(self.module.named_parameters())
+            mine["weights"] = {n: p.detach().to_local().clone() for n, p in params.items()}
+            mine["optimizer"] = {}
+            for n, p in params.items():
+                sharded = {k: v.detach().to_local().clone() for k, v in self.optimizer.state.get(p, {}).items()
+                           if isinstance(v, torch.Tensor) and hasattr(v, "to_local")}  # DTensors, sharded as p
+                if sharded:
+                    mine["optimizer"][n] = sharded
+        return {f"rank{dist.get_rank()}": mine}
 
     def load_state_dict(self, state: dict) -> None:
+        """Each rank takes its own part of :meth:`state_dict` back. Its weights and optimizer state, where
+        saved, replace what the model's and the optimizer's state dicts brought (``dcp.load`` calls this after
+        loading those, into the model's own storage)."""
+        import io
+
         key = f"rank{dist.get_rank()}"
         if key not in state:
             raise ValueError(f"{WHO}: the saved state has no {key!r} (saved on {len(state)} ranks, with keys "
                              f"{sorted(state)[:4]}...): resume on the same mesh")
-        self.algorithm.load_state_dict(state[key])
+        mine = state[key]
+        algorithm = mine["algorithm"]
+        if isinstance(algorithm, (bytes, bytearray)):
+            algorithm = torch.load(io.BytesIO(algorithm), weights_only=True)
+        self.algorithm.load_state_dict(algorithm)
+        params = dict(self.module.named_parameters())
+        with torch.no_grad():
+            for n, local in mine.get("weights", {}).items():
+                params[n].to_local().copy_(local)
+            for n, saved in mine.get("optimizer", {}).items():
+                kept = self.optimizer.state.get(params[n], {})
+                for k, local in saved.items():
+                    if hasattr(kept.get(k), "to_local"):
+                        kept[k].to_local().copy_(local)
 
     def close(self) -> None:
         """Remove the hooks, end the algorithm's own work and stop the engine thread."""

@@ -57,9 +57,11 @@ def _full(net):
     return [p.detach().full_tensor().clone() for p in net.parameters()]
 
 
-def _r_train(rank, world, R, S, spec, optimizer="sgd", after_step=None):
-    """Train STEPS steps; ``spec`` None: FSDP2's native HSDP. Returns the full weights after every step."""
+def _r_train(rank, world, R, S, spec, optimizer="sgd", after_step=None, frozen=False):
+    """Train STEPS steps; ``spec`` None: FSDP2's native HSDP. Returns the full weights after every step.
+    ``frozen``: the middle layer's bias does not train (FSDP2 leaves it out of the reduce-scatter)."""
     net, mesh = _sharded(R, S, native=spec is None)
+    net[2].bias.requires_grad_(not frozen)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd" \
         else torch.optim.AdamW(net.parameters(), lr=0.01)
     relaxed = None if spec is None else bagua_lite.ShardedModel(net, opt, algorithm=_algorithm(spec), mesh=mesh)
@@ -102,6 +104,14 @@ def test_identity_equals_native_hsdp(c4, c6, shape, optimizer):
         for step in range(STEPS):
             assert _equal(ours[rank][step], native[rank][step]), (rank, step)
     assert not _equal(native[0][0], native[0][-1])  # it trained
+
+
+def test_identity_equals_native_hsdp_with_a_frozen_parameter(c4):
+    native = c4.run(_r_train, 2, 2, None, "sgd", None, True)
+    ours = c4.run(_r_train, 2, 2, "gradient_allreduce", "sgd", None, True)
+    for rank in range(4):
+        assert _equal(ours[rank][-1], native[rank][-1]), rank
+        assert torch.equal(ours[rank][-1][3], ours[rank][0][3])  # the frozen bias did not move
 
 
 @pytest.mark.parametrize("name", ["topk", "gtopk"])
