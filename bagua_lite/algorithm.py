@@ -17,7 +17,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
 The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
 ``sync_gradients`` and ``after_step``) is what a relaxation usually writes.
 
-**Every algorithm: 30 names.** Hooks, in the order of one training step:
+**Every algorithm: 31 names.** Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
@@ -51,7 +51,8 @@ synchronise them per step to time it, and ranks may take different numbers of st
 ``step_dependent_wire`` (what the buckets send depends on the step count, a warm-up or a density schedule:
 ranks then compare step counts before any bucket travels); ``cycle`` (steps after which its communication
 pattern repeats: 1 for most, a periodic relaxation's period; the benchmark times whole cycles);
-``on_shards`` (it runs across the replicas of an FSDP2-sharded model, :class:`bagua_lite.ShardedModel`);
+``on_shards`` (it runs across the replicas of an FSDP2-sharded model, :class:`bagua_lite.ShardedModel`) and
+``check_shards(optimizer)`` (what it refuses there, raised before any traffic);
 ``traffic(options, P, bucket_numels, ...)``, a classmethod describing what it moves, so that the cost model
 predicts it and auto can pick it.
 
@@ -178,6 +179,10 @@ class Algorithm:
     # ---- set-up ----------------------------------------------------------------------------------------
     def init(self, model) -> None:
         """Called once by :class:`~bagua_lite.DistributedModel` after it built the buckets."""
+
+    def check_shards(self, optimizer) -> None:
+        """Refuse, by raising, what this algorithm cannot do on the shards of an FSDP2 model with ``optimizer``;
+        :class:`~bagua_lite.ShardedModel` calls it before any traffic (``init`` comes after the broadcast)."""
 
     def bucket_ops(self, bucket) -> List:
         """The ops (``bagua_lite._C.Op`` or callables taking the flat bucket tensor) of one bucket."""

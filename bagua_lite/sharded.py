@@ -19,6 +19,7 @@ GradScaler, clipping and ``set_requires_gradient_sync`` work as they do under FS
 what is refused: docs/hsdp.md.
 """
 import functools
+import io
 import os
 from typing import Union
 
@@ -84,6 +85,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         if not getattr(type(algorithm), "on_shards", False):
             raise ValueError(f"{WHO}: {algorithm.name} does not run on shards of an FSDP2 model; those that do: "
                              f"{', '.join(on_shards())}")
+        algorithm.check_shards(optimizer)
         group, shard_mesh = resolve_groups(mesh, replicate_group, WHO)
         if not dist.is_initialized():
             raise RuntimeError(f"{WHO}: torch.distributed is not initialized")
@@ -249,8 +251,6 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
           that overrides ``sync_gradients``: DiLoCo, local SGD). Their weights and inner optimizer states then
           differ across replicas, while DCP saves one copy of each shard of the model's and the optimizer's
           state dicts for all replicas (it takes equal DTensor shards on different ranks for copies)."""
-        import io
-
         self._settle_skipped_step()
         blob = io.BytesIO()
         torch.save(self.algorithm.state_dict(), blob)
@@ -270,8 +270,6 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         """Each rank takes its own part of :meth:`state_dict` back. Its weights and optimizer state, where
         saved, replace what the model's and the optimizer's state dicts brought (``dcp.load`` calls this after
         loading those, into the model's own storage)."""
-        import io
-
         key = f"rank{dist.get_rank()}"
         if key not in state:
             raise ValueError(f"{WHO}: the saved state has no {key!r} (saved on {len(state)} ranks, with keys "

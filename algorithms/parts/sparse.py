@@ -67,7 +67,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         self.selection.allocate(model.buckets, self.use_block_max)
         self._correction = _momentum.MomentumCorrection(self.name, self.momentum_correction)
         self._correction.resolve(model)
-        if model.sharded and self._correction.active:
+        if model.sharded and self._correction.active:  # ShardedModel asked check_shards first: a backstop
             raise ValueError(f"{self.name}: momentum correction (the default with an SGD optimizer with momentum) "
                              f"applies the update in the optimizer's place, which it cannot on the DTensor shards of "
                              f"an FSDP2 model; pass momentum_correction=0 (the optimizer's momentum then acts on the "
@@ -77,6 +77,15 @@ class ErrorFeedbackSparsifier(Algorithm):
         # the next step clear k entries instead of the whole bucket (None: clear everything). A round's
         # entries count once it is kept (commit_round): a discarded round's buckets are NaN everywhere.
         self._written, self._round_written = [None] * len(model.buckets), [None] * len(model.buckets)
+
+    def check_shards(self, optimizer):
+        mc = self.momentum_correction
+        sgd_momentum = isinstance(optimizer, torch.optim.SGD) and any(g.get("momentum") for g in optimizer.param_groups)
+        if (sgd_momentum if mc == _momentum.OPTIMIZER else mc > 0):
+            raise ValueError(f"{self.name}: momentum correction (the default with an SGD optimizer with momentum) "
+                             f"applies the update in the optimizer's place, which it cannot on the DTensor shards of "
+                             f"an FSDP2 model; pass momentum_correction=0 (the optimizer's momentum then acts on the "
+                             f"sparse averages)")
 
     # ---- the optimizer's side: momentum correction and the sparse step (_momentum) ------------------------
     def before_forward(self):
