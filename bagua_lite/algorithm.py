@@ -134,8 +134,7 @@ class Algorithm:
     heals_itself: bool = False
     #: whether workers waiting to join may be admitted now (auto says no while it probes)
     admits_joiners: bool = True
-    #: runs across the replicas of an FSDP2-sharded model (:class:`bagua_lite.ShardedModel`): its buckets are
-    #: then one per FSDP unit, each rank's reduce-scattered shard, and ``model.params`` the local shards
+    #: runs across the replicas of an FSDP2-sharded model (ShardedModel: a bucket per unit, params the shards)
     on_shards: bool = False
 
     def __init__(self):
@@ -181,8 +180,7 @@ class Algorithm:
         """Called once by :class:`~bagua_lite.DistributedModel` after it built the buckets."""
 
     def check_shards(self, optimizer) -> None:
-        """Refuse, by raising, what this algorithm cannot do on the shards of an FSDP2 model with ``optimizer``;
-        :class:`~bagua_lite.ShardedModel` calls it before any traffic (``init`` comes after the broadcast)."""
+        """Raise for what it cannot do on shards with ``optimizer`` (ShardedModel asks before any traffic)."""
 
     def bucket_ops(self, bucket) -> List:
         """The ops (``bagua_lite._C.Op`` or callables taking the flat bucket tensor) of one bucket."""

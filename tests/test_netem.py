@@ -273,3 +273,17 @@ def test_throughput_is_limited():
         bps = netem.measure_throughput(net, seconds=1.5)
     # TCP goodput over 1500-byte frames is at most 1448/1514 = 95.6% of the line rate.
     assert 0.80e8 < bps < 1.02e8, bps
+
+
+def test_ranks_of_one_node_talk_over_its_loopback():
+    """ranks_per_node: two ranks in one namespace (a node) allreduce over its loopback, not the rate-limited
+    veth; the same two ranks one per node pay the link (4 MB at 100 Mbit/s: at least 0.32 s)."""
+    if not AVAILABLE:
+        assert WHY
+        return
+    with EmulatedNetwork(2, "100mbit") as net:
+        inside = netem.measure_allreduce(net, numel=1_000_000, iters=2, ranks_per_node=2, nodes=1)
+        across = netem.measure_allreduce(net, numel=1_000_000, iters=2, ranks_per_node=1)
+    assert inside["ok"] and across["ok"]
+    assert across["mean_s"] > 0.3, across
+    assert inside["mean_s"] < across["mean_s"] / 5, (inside, across)

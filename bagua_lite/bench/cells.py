@@ -1,5 +1,5 @@
 """One benchmark cell's model: ours (a DistributedModel), a PyTorch DDP baseline, or torchft's DiLoCo,
-with its optimizer."""
+with its optimizer; with ``shards`` > 1 an FSDP2-sharded model: ours (a ShardedModel) or FSDP2's own HSDP."""
 import datetime
 import logging
 import os
@@ -9,7 +9,7 @@ import bagua_lite
 
 from ..algorithms import build
 from ..algorithms.diloco import DEFAULT_OUTER, outer_optimizer_class
-from .config import (BASELINES, HOOK_BASELINES, hook_state, make_optimizer, optimizer_momentum,
+from .config import (BASELINES, HOOK_BASELINES, cell_lr, hook_state, make_optimizer, optimizer_momentum,
                      torchft_available)
 
 
@@ -18,18 +18,21 @@ def wrap(cell, cfg, net):
 
     The optimizer is the cell's (``make_optimizer``); SGD's momentum is 0 under an algorithm given its own
     (gtopk/topk with a number ``momentum_correction``, see ``optimizer_momentum``). The handle is set for
-    a baseline that needs closing or that is periodic (``torchft_diloco``: ``.cycle``, ``.close()``)."""
+    a baseline that needs closing or that is periodic (``torchft_diloco``: ``.cycle``, ``.close()``). With
+    ``shards`` > 1 in the config: ``wrap_sharded``."""
+    if cfg.get("shards", 1) > 1:
+        return wrap_sharded(cell, cfg, net)
     name, options = cell["name"], cell["options"]
     kind = cell.get("optimizer", "sgd")
     if name not in BASELINES:
         algorithm = build(name, **options)
-        opt = make_optimizer(kind, net.parameters(), cfg.get("lr"), optimizer_momentum(algorithm))
+        opt = make_optimizer(kind, net.parameters(), cell_lr(cell, cfg), optimizer_momentum(algorithm))
         # Every rank built the same seeded model, so the start-up broadcast (DDP always does one; neither
         # is timed) is skipped: it costs seconds per cell on a slow emulated link.
         wrapper = bagua_lite.DistributedModel(net, opt, algorithm=algorithm,
                                               bucket_size_mb=cfg["bucket_size_mb"], broadcast_parameters=False)
         return wrapper, wrapper, opt, None
-    opt = make_optimizer(kind, net.parameters(), cfg.get("lr"))
+    opt = make_optimizer(kind, net.parameters(), cell_lr(cell, cfg))
     if name == "torchft_diloco":
         return net, None, opt, TorchftDiLoCo(net, opt, options, cfg["timeout_s"])
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -52,16 +55,81 @@ def wrap(cell, cfg, net):
     return model, None, opt, None
 
 
+# ---- sharded cells (``shards`` > 1): HSDP ------------------------------------------------------------------------
+_MESHES = {}  # (default group, world, shards) -> the (replicate, shard) mesh
+
+
+def shard_mesh(shards):
+    """The job's 2-D mesh, replicas x ``shards``, dimensions named ("replicate", "shard"): consecutive ranks
+    form a replica (with ``ranks_per_node`` = shards, a node). Made once per process and default group:
+    ``init_device_mesh`` creates process groups, collectively over the job, and every cell of a run uses
+    the same layout, so a run of many cells does not pile up groups."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    key = (id(dist.group.WORLD), world, shards)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
+    return _MESHES[key]
+
+
+def shard_units(net):
+    """The modules that become FSDP units of their own before the root does: a transformer's blocks
+    (gpt_small's ``net.blocks``, hf_gpt2's ``transformer.h``), so that forward and backward gather one
+    block's weights at a time, as FSDP2's examples shard; any other model: its top-level children that
+    hold parameters. The root's unit keeps what is left (gpt_small: the embeddings, tied to the LM head,
+    and the final LayerNorm)."""
+    blocks = getattr(net, "blocks", None)
+    if blocks is None and hasattr(net, "gpt2"):
+        blocks = net.gpt2.transformer.h
+    if blocks is not None:
+        return list(blocks.children())
+    return [m for m in net.children() if any(True for _ in m.parameters())]
+
+
+def wrap_sharded(cell, cfg, net):
+    """(model to call, our ShardedModel or None, optimizer, None) of a cell whose model is FSDP2-sharded over
+    ``shards`` ranks and replicated over world / shards (HSDP). ``hsdp``, the baseline: ``fully_shard`` over
+    the 2-D mesh, FSDP2 averages across replicas itself. Ours: ``fully_shard`` over the shard dimension,
+    and ``bagua_lite.ShardedModel`` runs the algorithm across replicas. Every rank built the same seeded
+    model, so ShardedModel's start-up broadcast is skipped (as DistributedModel's is in ``wrap``). The
+    model to call is the FSDP2 module itself: ShardedModel hooks it, the loop stays FSDP2's."""
+    from torch.distributed.fsdp import fully_shard
+
+    name, options = cell["name"], cell["options"]
+    kind = cell.get("optimizer", "sgd")
+    mesh = shard_mesh(cfg["shards"])
+    over = mesh if name == "hsdp" else mesh["shard"]
+    for unit in shard_units(net):
+        fully_shard(unit, mesh=over)
+    fully_shard(net, mesh=over)
+    if name == "hsdp":
+        return net, None, make_optimizer(kind, net.parameters(), cell_lr(cell, cfg)), None
+    if name in BASELINES:  # config refuses these; a clear error if a caller builds a cell by hand
+        raise ValueError(f"benchmark: {name} does not run on an FSDP2-sharded model (shards: {cfg['shards']})")
+    algorithm = build(name, **options)
+    opt = make_optimizer(kind, net.parameters(), cell_lr(cell, cfg), optimizer_momentum(algorithm))
+    relaxed = bagua_lite.ShardedModel(net, opt, algorithm=algorithm, mesh=mesh, broadcast_parameters=False)
+    return net, relaxed, opt, None
+
+
 def tx_bytes():
-    """Bytes this network namespace sent on its non-loopback interface (None on plain loopback)."""
+    """Bytes this rank sent on its network namespace's non-loopback interface (None on plain loopback).
+
+    The interface is the node's: with ``ranks_per_node`` > 1 (the launcher's ``BAGUA_LITE_BENCH_RANKS_PER_NODE``;
+    1 when unset, as under torchrun) its counter holds what all of them sent, so it is divided by their
+    number: the mean over the node's ranks, which step together. Traffic between them takes the
+    namespace's loopback and is not counted: the figure is what crosses the slow link."""
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     if not iface:
         return None
     try:
         with open(f"/sys/class/net/{iface}/statistics/tx_bytes") as f:
-            return int(f.read())
+            sent = int(f.read())
     except OSError:
         return None
+    return sent / max(1, int(os.environ.get("BAGUA_LITE_BENCH_RANKS_PER_NODE", "1")))
 
 
 # ---- torchft's DiLoCo, the optional baseline ----------------------------------------------------------------------

@@ -7,7 +7,9 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  ``sgd`` (default: SGD, lr 0.01, momentum 0.9), ``adam`` (Adam, lr 1e-3) or ``adamw``
                  (AdamW, lr 1e-3, weight decay 0.01); the DDP baselines take it too, so an algorithm that
                  needs Adam (qadam) is compared with ``{name: ddp, optimizer: adam}``. The compute floor
-                 always uses SGD.
+                 always uses SGD. ``lr`` in an entry (also the benchmark's) is that row's learning rate,
+                 over the config's ``lr``: a row tuned on its own (a sparsifier under Adam, whose
+                 per-element steps shrink with the density, wants a larger rate) says so in its label.
 ``stragglers``   a matrix axis, default ``[none]``; ``half``: rank 0 runs at half speed (see ``runner``).
 ``lr``           the learning rate of every cell's optimizer (default: 0.01 for sgd, 1e-3 for adam/adamw).
 ``floor_each_cell`` where the compute floor (the same step without communication, SGD,
@@ -62,6 +64,23 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  s/step (and bytes per step) is the median over the repeats of each repeat's own figure
                  (``report.project_records``), so a slow minute of a shared machine or an order effect
                  weighs one repeat, not the projection; the row lists each repeat's s/step.
+``shards``       ranks per replica (default 1: every rank holds the whole model). > 1: every cell's model is
+                 sharded with FSDP2 (``fully_shard``) over that many consecutive ranks and replicated over
+                 world / shards (HSDP; ``cells.wrap_sharded``); it must divide every world size. The rows
+                 allowed then: the baseline ``hsdp`` (FSDP2's own HSDP: ``fully_shard`` over the 2-D mesh,
+                 no bagua_lite) and our algorithms that run on shards (``bagua_lite.ShardedModel``;
+                 topk/gtopk under SGD with momentum_correction 0). The DDP baselines and torchft's DiLoCo
+                 train whole models and are refused, as ``hsdp`` is with shards 1. Mode convergence only:
+                 throughput mode's compute floor, bucket plan and cost-model predictions describe a whole
+                 model on every rank. The ``MB/step`` figures are the bytes crossing replicas (FSDP2's
+                 own traffic inside a replica is not counted by bagua_lite's counter).
+``ranks_per_node`` consecutive ranks per emulated node (default 1). > 1: on an emulated link a node is one
+                 network namespace holding that many ranks, which talk to each other over the namespace's
+                 own loopback (not rate-limited), while traffic between nodes crosses the node's
+                 rate-limited veth, shared by its ranks (``runner.launch``); it must divide every world
+                 size. The link's byte counter is then the node's, divided by ``ranks_per_node``. With
+                 ``shards`` > 1 a node of ``shards`` ranks holds one replica: FSDP2's per-step gathers stay
+                 inside it, and only what crosses replicas pays the slow link.
 The ``ddp_topk_hook``, ``ddp_gtopk_hook`` (option ``density``, default 0.001) and ``ddp_compressed_hook`` (option
 ``compression``, default minmax_uint8) baselines are DDP with ``bagua_lite.hooks``' hook of that name (the
 optimizer's SGD momentum acts on the averaged sparse gradient: no momentum correction under a hook).
@@ -87,12 +106,15 @@ from .. import hooks
 from ..algorithm import build
 from ..algorithms.diloco import outer_optimizer_class
 from ..config import shipped_configs, shipped_path
+from ..sharded import on_shards
 from . import netem, zoo
 
 # DDP with one of bagua_lite.hooks' communication hooks: name -> (hook, its state's one option)
 HOOK_BASELINES = {"ddp_topk_hook": ("topk_hook", "density"), "ddp_gtopk_hook": ("gtopk_hook", "density"),
                   "ddp_compressed_hook": ("compressed_hook", "compression")}
-BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", *HOOK_BASELINES, "torchft_diloco")
+#: FSDP2's own HSDP (fully_shard over the 2-D (replicate, shard) mesh): the reference of sharded cells
+SHARDED_BASELINES = ("hsdp",)
+BASELINES = ("ddp", "ddp_fp16", "ddp_powersgd", *HOOK_BASELINES, "torchft_diloco", *SHARDED_BASELINES)
 TORCHFT_OPTIONS = ("period", "outer_optimizer", "fragments", "fragment_sync_delay", "fragment_update_alpha")
 OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
 STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
@@ -103,7 +125,7 @@ THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project
 CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
                     "seeds", "project_time", "timing_steps", "timing_warmup_steps", "timing_repeats")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
-               "timeout_s", "max_steps", "lr") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
+               "timeout_s", "max_steps", "lr", "shards", "ranks_per_node") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
 
 
 # ---- configuration -----------------------------------------------------------------------------------------
@@ -136,7 +158,8 @@ def load_benchmark_config(path):
         _check_convergence(cfg)
     out = {"mode": "throughput", "lr": None, "world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
-           "max_steps": None, "stragglers": ["none"], "floor_each_cell": False, "repeats": 1}
+           "max_steps": None, "stragglers": ["none"], "floor_each_cell": False, "repeats": 1, "shards": 1,
+           "ranks_per_node": 1}
     if mode == "convergence":
         out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0,
                    project_time=False, timing_steps=6, timing_warmup_steps=2, timing_repeats=1)
@@ -176,6 +199,7 @@ def load_benchmark_config(path):
     for p in out["world_sizes"]:
         if not isinstance(p, int) or p < 1:
             raise ValueError(f"benchmark config: world_sizes must be ints >= 1, got {p!r}")
+    _check_layout(out)
     skipped = []  # one-line notes: optional rows and models whose package is not installed
     for m in out["models"]:
         if m not in zoo.MODELS:
@@ -203,10 +227,15 @@ def load_benchmark_config(path):
         if not isinstance(optimizer, str) or optimizer not in OPTIMIZERS:
             raise ValueError(f"benchmark config: algorithm {name!r}: unknown optimizer {optimizer!r}; "
                              f"allowed: {', '.join(OPTIMIZERS)}")
+        row_lr = entry.pop("lr", None)
+        if row_lr is not None and (not isinstance(row_lr, (int, float)) or isinstance(row_lr, bool) or row_lr <= 0):
+            raise ValueError(f"benchmark config: algorithm {name!r}: lr must be a number > 0 (or absent: the "
+                             f"config's lr, else the optimizer's default), got {row_lr!r}")
         if name == "ddp_powersgd":
             entry.setdefault("rank", 4)
         elif name == "torchft_diloco":
             _check_torchft(entry)
+            _check_row_layout(name, entry, optimizer, out["shards"], label or _label(name, entry, optimizer))  # first
             ok, why = torchft_available()
             if not ok:
                 skipped.append(f"{label or _label(name, entry, optimizer)} skipped: torchft is not installed ({why}; "
@@ -215,12 +244,19 @@ def load_benchmark_config(path):
                 continue
         elif name in HOOK_BASELINES:
             hook_state(name, entry)  # validate now, before any process starts
-        elif name not in BASELINES:
+        elif name in SHARDED_BASELINES:
+            if entry:
+                raise ValueError(f"benchmark config: {name} takes no options (it is FSDP2's own HSDP), got "
+                                 f"{', '.join(sorted(entry))}")
+        label = label or _label(name, entry, optimizer, row_lr)
+        algorithm = None
+        if name not in BASELINES:
             algorithm = build(name, **entry)  # validate now, before any process starts
             if mode == "convergence" and out["project_time"]:
-                _check_projectable(name, algorithm, label or _label(name, entry, optimizer))
-        algs.append({"name": name, "options": entry, "optimizer": optimizer,
-                     "label": label or _label(name, entry, optimizer)})
+                _check_projectable(name, algorithm, label)
+        _check_row_layout(name, entry, optimizer, out["shards"], label, algorithm)
+        algs.append({"name": name, "options": entry, "optimizer": optimizer, "label": label,
+                     **({"lr": row_lr} if row_lr is not None else {})})
     if not algs:
         raise ValueError("benchmark config: 'algorithms' must list at least one algorithm"
                          + (" (" + "; ".join(skipped) + ")" if skipped else ""))
@@ -270,6 +306,55 @@ def _check_torchft(options):
         raise ValueError(f"benchmark config: torchft_diloco: fragment_update_alpha must be in [0, 1], got {alpha!r}")
     if "outer_optimizer" in options:
         outer_optimizer_class(options["outer_optimizer"], "benchmark config: torchft_diloco")
+
+
+def _check_layout(out):
+    """``shards`` and ``ranks_per_node``: ints >= 1 dividing every world size; shards > 1 in mode convergence."""
+    for key in ("shards", "ranks_per_node"):
+        v = out[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"benchmark config: {key} must be an int >= 1, got {v!r}")
+        bad = [p for p in out["world_sizes"] if p % v]
+        if bad:
+            raise ValueError(f"benchmark config: {key} ({v}) must divide every world size; it does not divide "
+                             f"{', '.join(map(str, bad))} (world_sizes: {out['world_sizes']})")
+    if out["shards"] > 1 and out["mode"] != "convergence":
+        raise ValueError(f"benchmark config: shards ({out['shards']}) > 1 needs mode convergence: throughput mode's "
+                         "compute floor, bucket plan and cost-model predictions describe a whole model on every rank; "
+                         "for step times of sharded cells use mode convergence with project_time: true")
+
+
+def _check_row_layout(name, options, optimizer, shards, label, algorithm=None):
+    """Which rows a layout takes: with ``shards`` > 1 the ``hsdp`` baseline and our algorithms that run on
+    shards (``ShardedModel``); with shards 1 every row but ``hsdp``. Refused before any process starts,
+    with what to do instead."""
+    if shards == 1:
+        if name in SHARDED_BASELINES:
+            raise ValueError(f"benchmark config: {label}: {name} is FSDP2's HSDP over a (replicate, shard) mesh; "
+                             "it needs shards > 1 (set shards: 2, or use ddp for whole models on every rank)")
+        return
+    allowed = f"with shards > 1 the rows allowed are {', '.join(SHARDED_BASELINES)} and {', '.join(on_shards())}"
+    if name in BASELINES and name not in SHARDED_BASELINES:
+        raise ValueError(f"benchmark config: {label}: {name} trains a whole model on every rank, not an FSDP2-sharded "
+                         f"one (shards: {shards}); {allowed} (hsdp is FSDP2's own HSDP, the reference; "
+                         "gradient_allreduce with compression fp16 is the fp16 hook's counterpart)")
+    if algorithm is None:
+        return
+    if not getattr(type(algorithm), "on_shards", False):
+        raise ValueError(f"benchmark config: {label}: {name} does not run on shards of an FSDP2 model "
+                         f"(shards: {shards}); {allowed}")
+    if getattr(algorithm, "hierarchical", False):
+        raise ValueError(f"benchmark config: {label}: hierarchical: true is refused on shards (the replicate group "
+                         "already spans nodes); drop it")
+    # the algorithm's own refusals on shards with this row's optimizer (gtopk/topk: momentum correction
+    # under SGD with momentum), asked of a stand-in optimizer of the row's kind, before any process starts
+    import torch
+
+    stand_in = make_optimizer(optimizer, [torch.nn.Parameter(torch.zeros(1))], None, optimizer_momentum(algorithm))
+    try:
+        algorithm.check_shards(stand_in)
+    except ValueError as e:
+        raise ValueError(f"benchmark config: {label} (optimizer {optimizer}, shards: {shards}): {e}") from None
 
 
 def _check_projectable(name, algorithm, label):
@@ -336,8 +421,9 @@ def _check_convergence(cfg):
     number("timing_repeats", cfg.get("timing_repeats", 1), 1, integer=True)
 
 
-def _label(name, options, optimizer="sgd"):
-    suffix = "" if optimizer == "sgd" else f"[{optimizer}]"
+def _label(name, options, optimizer="sgd", lr=None):
+    extra = ([] if optimizer == "sgd" else [optimizer]) + ([] if lr is None else [f"lr={lr:g}"])
+    suffix = f"[{', '.join(extra)}]" if extra else ""
     if not options:
         return name + suffix
     short = ",".join(f"{k}={v}" for k, v in sorted(options.items()) if k not in ("warmup_densities",))
@@ -350,6 +436,11 @@ def optimizer_momentum(algorithm, momentum=0.9):
     once. With their default, ``momentum_correction: optimizer``, they take the optimizer's momentum."""
     mc = getattr(algorithm, "momentum_correction", 0.0)
     return 0.0 if isinstance(mc, float) and mc > 0 else momentum
+
+
+def cell_lr(cell, cfg):
+    """The learning rate of a cell's optimizer: its row's ``lr``, else the config's (None: the default)."""
+    return cell.get("lr") or cfg.get("lr")
 
 
 def make_optimizer(kind, params, lr=None, momentum=0.9):

@@ -14,7 +14,8 @@ What is evaluated: the *average of the replicas* (parameters and buffers, summed
 by P), by rank 0, on the held-out set; the metric is broadcast so every rank stops at the same
 evaluation. For synchronous algorithms the replicas are identical and the average is rank 0's model; for
 decentralized, local SGD and asynchronous averaging it is the model their averaging tends to, the one a
-user would keep. The averaging and the evaluation are not timed.
+user would keep. The averaging and the evaluation are not timed. With ``shards`` > 1 (HSDP) every rank
+takes part in the averaging, which first makes each FSDP2-sharded parameter whole (``whole_state``).
 """
 import copy
 import gc
@@ -25,22 +26,35 @@ import torch.distributed as dist
 
 from .. import comm
 from .cells import tx_bytes, wrap
-from .config import BASELINES
+from .config import BASELINES, cell_lr
 from .data import evaluate, loss_fn, make_batches, make_task
 from .timing import time_cell
 from .zoo import fresh_model
 
 
+def whole_state(net):
+    """``net``'s state dict with every DTensor (an FSDP2-sharded model's parameters) made whole:
+    ``full_tensor()`` gathers it over its mesh, collectively, so every rank calls this, and in the same
+    order (the state dict's, the same on every rank). Plain tensors are returned as they are."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in net.state_dict().items()}
+
+
 def average_replicas(net, into):
-    """Rank 0's ``into`` becomes the average of every rank's ``net`` (floating-point parameters and
-    buffers; integer buffers such as BatchNorm's step count are rank 0's). Collective: every rank calls."""
+    """Rank 0's ``into`` (a plain, unsharded copy of the model) becomes the average of every rank's ``net``
+    (floating-point parameters and buffers; integer buffers such as BatchNorm's step count are rank 0's).
+    Collective: every rank calls. A sharded ``net`` (``shards`` > 1) is first made whole on every rank
+    (``whole_state``), so the ranks of a replica hold the same whole weights and the average over all
+    ranks is the average over the replicas."""
     world = dist.get_world_size()
-    src = [t for t in net.state_dict().values() if t.is_floating_point()]
+    state = whole_state(net)
+    src = [t for t in state.values() if t.is_floating_point()]
     flat = torch.cat([t.detach().reshape(-1).double() for t in src]) if src else torch.zeros(0, dtype=torch.float64)
     dist.reduce(flat, dst=0)
     if dist.get_rank() != 0:
         return
-    into.load_state_dict(net.state_dict())
+    into.load_state_dict(state)
     flat /= world
     offset = 0
     with torch.no_grad():
@@ -139,7 +153,8 @@ def worker(cfg, network, rank, world, emit):
                 emit({"kind": "convergence", "network": network, "world_size": world, "model": model_name,
                       "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                       "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
-                      "lr": cfg.get("lr"), "seed": seed, **res})
+                      "lr": cell_lr(cell, cfg), "seed": seed, "shards": cfg.get("shards", 1),
+                      "ranks_per_node": cfg.get("ranks_per_node", 1), **res})
 
 
 def timing_worker(cfg, network, rank, world, emit):
@@ -172,4 +187,5 @@ def timing_worker(cfg, network, rank, world, emit):
                   "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                   "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
                   "times": res["times"], "cycle": res["cycle"], "bytes": res["bytes"], "tx_bytes": res["tx_bytes"],
-                  "loss": res["loss"], "warmup_steps": warm, "phases": phases or None, "repeat": repeat})
+                  "loss": res["loss"], "warmup_steps": warm, "phases": phases or None, "repeat": repeat,
+                  "shards": cfg.get("shards", 1), "ranks_per_node": cfg.get("ranks_per_node", 1)})

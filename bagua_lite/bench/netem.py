@@ -18,6 +18,16 @@ from rank a to rank b therefore crosses a's uplink and b's downlink, like a swit
 ports of rate R. The bridge has no IP address, so the namespaces can only reach each other, and two
 networks (two runs, or two instances) with the same addresses never see each other.
 
+Nodes
+-----
+A namespace may hold several ranks: the benchmark's ``ranks_per_node`` (``runner.launch``) builds
+``EmulatedNetwork(P / ranks_per_node, rate)`` and starts consecutive ranks in one namespace, a "node",
+all with the node's interface and address. Ranks of one node reach each other at that address, which is
+local to the namespace, so the kernel carries their traffic over the namespace's own ``lo``: not
+rate-limited, as the links inside a real node are fast. Traffic between nodes crosses the veths, and the
+ranks of a node share their node's link, as the GPUs of a node share its NIC. The self-test's
+``--ranks-per-node 2`` times an allreduce inside one node against one across two (``measure_allreduce``).
+
 With ``rate=None`` (the ``"loopback"`` network) nothing is created: ``command`` returns argv unchanged,
 ``address`` is 127.0.0.1 and ``interface`` is ``lo``. The benchmark can thus treat all networks alike.
 
@@ -512,18 +522,27 @@ def measure_throughput(net: EmulatedNetwork, seconds: float = 3.0, port: int = 5
 
 
 def measure_allreduce(net: EmulatedNetwork, numel: int = 25_000_000, iters: int = 3,
-                      port: int = 29500) -> dict:
-    """Launch ``net.world_size`` gloo workers (in the namespaces) and time allreduce of ``numel`` floats."""
+                      port: int = 29500, ranks_per_node: int = 1, nodes: int | None = None) -> dict:
+    """Launch gloo workers in the namespaces and time allreduce of ``numel`` floats: ``ranks_per_node``
+    consecutive ranks in each of the first ``nodes`` namespaces (default: all of them), so
+    ``ranks_per_node=2, nodes=1`` times an allreduce that stays inside one node (its loopback), and
+    ``nodes=2`` with one rank per node the same allreduce across the link."""
+    nodes = net.world_size if nodes is None else nodes
+    if not 1 <= nodes <= net.world_size or ranks_per_node < 1:
+        raise ValueError(f"measure_allreduce: nodes must be in 1..{net.world_size} and ranks_per_node >= 1, got "
+                         f"nodes={nodes}, ranks_per_node={ranks_per_node}")
     if not net.emulated:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
     init = f"tcp://{net.address(0)}:{port}"
+    world = nodes * ranks_per_node
     procs = []
-    for r in range(net.world_size):
-        env = {**os.environ, **net.env(r), "OMP_NUM_THREADS": "1"}
+    for r in range(world):
+        node = r // ranks_per_node
+        env = {**os.environ, **net.env(node), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen(
-            net.command(r, _child_cmd("allreduce", str(r), str(net.world_size), init, str(numel), str(iters))),
+            net.command(node, _child_cmd("allreduce", str(r), str(world), init, str(numel), str(iters))),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
     outs = _wait_all(procs, timeout=300)
     results = [json.loads(o.strip().splitlines()[-1]) for o in outs]
@@ -533,7 +552,7 @@ def measure_allreduce(net: EmulatedNetwork, numel: int = 25_000_000, iters: int 
 
 
 def _selftest(rates: list[str], world_size: int, seconds: float, numel: int, iters: int,
-              allreduce: bool) -> int:
+              allreduce: bool, ranks_per_node: int = 1) -> int:
     ok, why = available()
     if not ok:
         print(f"network emulation unavailable: {why}")
@@ -562,6 +581,16 @@ def _selftest(rates: list[str], world_size: int, seconds: float, numel: int, ite
                 ideal = 2 * (world_size - 1) / world_size * numel * 4 * 8 / parse_rate(rate)
                 line += f"  (bandwidth bound {ideal:.3f} s)"
             print(line + ("" if r["ok"] else "  WRONG RESULT"))
+        if ranks_per_node > 1:
+            print(f"nodes of {ranks_per_node} ranks: the same allreduce among {ranks_per_node} ranks inside one "
+                  f"node (its loopback) and among {ranks_per_node} ranks one per node (across the link)")
+            for rate in rates:
+                with EmulatedNetwork(ranks_per_node, rate) as net:
+                    inside = measure_allreduce(net, numel, iters, ranks_per_node=ranks_per_node, nodes=1)
+                    across = measure_allreduce(net, numel, iters, ranks_per_node=1)
+                print(f"  {rate:>9}: inside a node {inside['mean_s']:.3f} s, across nodes {across['mean_s']:.3f} s "
+                      f"({across['mean_s'] / max(inside['mean_s'], 1e-9):.0f}x)"
+                      + ("" if inside["ok"] and across["ok"] else "  WRONG RESULT"))
     leftovers = [n for n in _list_netns() + _list_links() if _stale_re("bl").match(n)]
     print("leftovers after cleanup:", leftovers or "none")
     return 0 if not leftovers else 1
@@ -579,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--numel", type=int, default=25_000_000, help="floats per allreduce (default 25M)")
     ap.add_argument("--iters", type=int, default=3, help="timed allreduces per network")
     ap.add_argument("--no-allreduce", action="store_true", help="skip the gloo allreduce demo")
+    ap.add_argument("--ranks-per-node", type=int, default=1, help="also time the allreduce among this many "
+                    "ranks inside one node (one namespace) against as many ranks one per node (default 1: no)")
     ap.add_argument("--cleanup-stale", metavar="PREFIX", help="remove leftovers of dead runs and exit")
     ap.add_argument("--check", action="store_true", help="print whether emulation is available and exit")
     args = ap.parse_args(argv)
@@ -595,7 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     rates = [r.strip() for spec in (args.rate or ["1gbit"]) for r in spec.split(",") if r.strip()]
     for r in rates:
         parse_rate(r)
-    return _selftest(rates, args.world_size, args.seconds, args.numel, args.iters, not args.no_allreduce)
+    return _selftest(rates, args.world_size, args.seconds, args.numel, args.iters, not args.no_allreduce,
+                     args.ranks_per_node)
 
 
 if __name__ == "__main__":

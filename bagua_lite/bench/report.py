@@ -40,6 +40,19 @@ def _ddp_baseline(cells, c, name="algorithm", base="ddp"):
     return (same or group or [None])[0]
 
 
+#: the data-parallel reference a convergence table compares with: (baseline name, how the table names it).
+#: DDP for whole models; FSDP2's own HSDP for sharded ones (``shards`` > 1, where the config allows no ddp row)
+REFERENCES = (("ddp", "DDP"), ("hsdp", "HSDP"))
+
+
+def reference(rows):
+    """(name, title) of the reference of a table's rows (``REFERENCES``): DDP when it has a DDP row or no
+    HSDP row, else native HSDP. Its ``speedup_vs_<name>`` and ``bytes_vs_<name>`` fill the ``vs`` columns."""
+    if not any(r["name"] == "ddp" for r in rows) and any(r["name"] == "hsdp" for r in rows):
+        return REFERENCES[1]
+    return REFERENCES[0]
+
+
 def _cell_figures(c):
     """step_s, samples_per_s, each rank's median step time and the non-stragglers' median of a cell."""
     cyc = c.get("cycle", 1)
@@ -581,6 +594,7 @@ def summarize_convergence(records):
         rows.append({
             "network": c["network"], "world_size": c["world_size"], "model": c["model"], "algorithm": c["label"],
             "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "seed": c.get("seed", 0),
+            "shards": c.get("shards", 1), "ranks_per_node": c.get("ranks_per_node", 1),
             "metric": c["metric"], "target": c["target"], "steps_to_target": c["steps_to_target"],
             "time_to_target_s": ours, "final_metric": c["final_metric"], "final_loss": c["final_loss"],
             "step_s": c["step_s"], "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
@@ -608,8 +622,9 @@ def combine_seeds(rows):
     """One row per (network, P, model, algorithm) over its seeds: the median time to target (a seed that
     never reached it counts as infinite, so the median is None when at most half reached it), median steps
     to target, final metric and s/step; ``seeds`` and ``time_to_target_by_seed`` list what went in;
-    ``speedup_vs_ddp`` is DDP's median time over this row's. With one seed per cell, the rows themselves
-    (with ``seeds`` and ``time_to_target_by_seed`` added)."""
+    ``speedup_vs_ddp`` is DDP's median time over this row's (``speedup_vs_hsdp``: native HSDP's, for sharded
+    rows), ``bytes_vs_ddp`` / ``bytes_vs_hsdp`` its bytes per step over this row's. With one seed per cell,
+    the rows themselves (with ``seeds`` and ``time_to_target_by_seed`` added)."""
     groups = {}
     for r in rows:
         groups.setdefault((r["network"], r["world_size"], r["model"], r["algorithm"]), []).append(r)
@@ -634,13 +649,15 @@ def combine_seeds(rows):
         out.append(row)
     for row in out:
         for base, key in (("ddp", "speedup_vs_ddp"), ("ddp_fp16", "speedup_vs_ddp_fp16"),
-                          ("ddp_powersgd", "speedup_vs_ddp_powersgd"), ("torchft_diloco", "speedup_vs_torchft")):
+                          ("ddp_powersgd", "speedup_vs_ddp_powersgd"), ("torchft_diloco", "speedup_vs_torchft"),
+                          ("hsdp", "speedup_vs_hsdp")):
             b = _ddp_baseline(out, row, name="name", base=base)
             t = b["time_to_target_s"] if b else None
             row[key] = t / row["time_to_target_s"] if t and row["time_to_target_s"] else None
-        ddp = _ddp_baseline(out, row, name="name")
-        mine, theirs = row.get("bytes_per_step"), (ddp or {}).get("bytes_per_step")
-        row["bytes_vs_ddp"] = theirs / mine if theirs and mine else None  # x fewer bytes than DDP
+        for base, _ in REFERENCES:
+            ref = _ddp_baseline(out, row, name="name", base=base)
+            mine, theirs = row.get("bytes_per_step"), (ref or {}).get("bytes_per_step")
+            row[f"bytes_vs_{base}"] = theirs / mine if theirs and mine else None  # x fewer bytes than the reference
     return out
 
 
@@ -662,7 +679,9 @@ def print_convergence_table(rows, out=sys.stdout):
     """One table per (network, P, model), sorted by time to target; ``rows`` as ``combine_seeds`` returns
     them (with several seeds the figures are medians, and a last column gives each seed's time). A
     projected table (``project_time``) says so above its header. Columns ``vs torchft`` (when the group has
-    a torchft_diloco row) and ``MB/step`` / ``vs DDP bytes`` (when any row has a byte count)."""
+    a torchft_diloco row) and ``MB/step`` / ``vs DDP bytes`` (when any row has a byte count). Sharded
+    rows (``shards`` > 1) are compared with native HSDP instead of DDP (``reference``), and the title
+    gives the layout: replicas x shards, ranks per node."""
     groups = {}
     several = any(len(r.get("seeds") or [0]) > 1 for r in rows)
     for r in rows:
@@ -671,7 +690,9 @@ def print_convergence_table(rows, out=sys.stdout):
         metric, target = rs[0]["metric"], rs[0]["target"]
         seeds = rs[0].get("seeds") or [0]
         projected = any(r.get("projected") for r in rs)
-        print(f"\n{model} on {network}, P={P}: time to held-out {metric} {'>=' if metric == 'accuracy' else '<='} "
+        ref, ref_title = reference(rs)
+        print(f"\n{model} on {network}, P={P}{_layout(rs[0])}: time to held-out {metric} "
+              f"{'>=' if metric == 'accuracy' else '<='} "
               f"{target} (training wall time, evaluations excluded)"
               + (f"; medians over seeds {', '.join(map(str, seeds))}" if several else ""), file=out)
         if projected:
@@ -681,7 +702,7 @@ def print_convergence_table(rows, out=sys.stdout):
                                                            else "") + "; time to target = steps x s/step", file=out)
         show_tft = any(r["name"] == "torchft_diloco" for r in rs)
         show_bytes = any(r.get("bytes_per_step") is not None for r in rs)
-        hdr = (f"{'algorithm':<40}{'time to target':>15}{'steps':>7}{'vs DDP':>8}"
+        hdr = (f"{'algorithm':<40}{'time to target':>15}{'steps':>7}{'vs ' + ref_title:>8}"
                + (f"{'vs torchft':>11}" if show_tft else "") + f"{'s/step':>8}"
                + (f"{'MB/step':>9}{'x fewer B':>10}" if show_bytes else "")
                + f"{'final ' + metric:>16}{'steps run':>10}" + ("  per seed (s)" if several else ""))
@@ -693,9 +714,9 @@ def print_convergence_table(rows, out=sys.stdout):
             per_seed = ""
             if several:
                 per_seed = "  " + " ".join("-" if t is None else f"{t:.2f}" for t in r["time_to_target_by_seed"])
-            v = "-" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}"
+            v = "-" if r.get(f"speedup_vs_{ref}") is None else f"{r[f'speedup_vs_{ref}']:.2f}"
             vt = "-" if r.get("speedup_vs_torchft") is None else f"{r['speedup_vs_torchft']:.2f}"
-            fewer = "-" if r.get("bytes_vs_ddp") is None else f"{r['bytes_vs_ddp']:.1f}"
+            fewer = "-" if r.get(f"bytes_vs_{ref}") is None else f"{r[f'bytes_vs_{ref}']:.1f}"
             print(f"{r['algorithm'][:39]:<40}{t:>15}{n:>7}{v:>8}" + (f"{vt:>11}" if show_tft else "")
                   + f"{r['step_s']:>8.4f}" + (f"{_fmt_bytes(r.get('bytes_per_step')):>9}{fewer:>10}" if show_bytes else "")
                   + f"{r['final_metric']:>16.4f}{r['steps_run']:>10}{per_seed}", file=out)
@@ -707,6 +728,23 @@ def print_convergence_table(rows, out=sys.stdout):
           "to target over this row's. MB/step: bytes a rank sent per step (the emulated link's counter; on "
           "loopback bagua_lite's own, none for the baselines); x fewer B: DDP's bytes per step over this row's. "
           "Evaluated: the average of the replicas (rank 0's model for synchronous algorithms).", file=out)
+    if any(r.get("shards", 1) > 1 for r in rows):
+        print("Sharded (HSDP) tables: vs HSDP and x fewer B compare with FSDP2's own HSDP (fully_shard over the "
+              "(replicate, shard) mesh); MB/step is what crosses replicas (a node's link counter over its ranks; "
+              "on loopback bagua_lite's own count of our cross-replica traffic), FSDP2's gathers and "
+              "reduce-scatters inside a replica excluded. Evaluated: the average of the replicas' whole weights.",
+              file=out)
+
+
+def _layout(r):
+    """`` (R replicas x S shards, N ranks per node)`` of a sharded or noded row, else empty."""
+    shards, per_node = r.get("shards", 1), r.get("ranks_per_node", 1)
+    parts = []
+    if shards > 1:
+        parts.append(f"{r['world_size'] // shards} replicas x {shards} shards")
+    if per_node > 1 and r["network"] != "loopback":  # on loopback every rank shares one loopback anyway
+        parts.append(f"{per_node} ranks per node")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 DILOCO_FAMILY = ("diloco", "local_sgd")  # ours: DiLoCo, its streaming and compressed variants, local SGD
@@ -715,13 +753,14 @@ DILOCO_FAMILY = ("diloco", "local_sgd")  # ours: DiLoCo, its streaming and compr
 def convergence_figures(rows, out=sys.stdout):
     """The headline comparisons of each (network, P, model) table: the row that reached the target first
     among ours, and among the DiLoCo family, against each baseline measured (DDP, DDP + fp16 hook, DDP +
-    PowerSGD hook, torchft's DiLoCo); the bytes per step against DDP's; and, when every row trained the
-    whole budget (``stop_at_target: false``), each row's held-out loss at equal steps against DDP's.
+    PowerSGD hook, torchft's DiLoCo, native HSDP); the bytes per step against the reference's (DDP's, or
+    native HSDP's for sharded rows: ``reference``); and, when every row trained the whole budget
+    (``stop_at_target: false``), each row's held-out loss at equal steps against the reference's.
     Returns the lines printed."""
     names = {"ddp": "DDP", "ddp_fp16": "DDP + fp16 hook", "ddp_powersgd": "DDP + PowerSGD hook",
-             "torchft_diloco": "torchft DiLoCo"}
+             "torchft_diloco": "torchft DiLoCo", "hsdp": "native HSDP"}
     keys = {"ddp": "speedup_vs_ddp", "ddp_fp16": "speedup_vs_ddp_fp16", "ddp_powersgd": "speedup_vs_ddp_powersgd",
-            "torchft_diloco": "speedup_vs_torchft"}
+            "torchft_diloco": "speedup_vs_torchft", "hsdp": "speedup_vs_hsdp"}
     lines = []
     groups = {}
     for r in rows:
@@ -754,16 +793,17 @@ def convergence_figures(rows, out=sys.stdout):
                 elif r["time_to_target_s"] is not None or tft["time_to_target_s"] is not None:
                     lines.append(f"{head}: {r['algorithm']} vs torchft DiLoCo: only "
                                  + ("this row" if r["time_to_target_s"] is not None else "torchft's") + " reached the target")
-        ddp = next((r for r in rs if r["name"] == "ddp"), None)
+        ref, ref_title = reference(rs)
+        ddp = next((r for r in rs if r["name"] == ref), None)
         if ddp and ddp.get("bytes_per_step"):
-            ranked = sorted((r for r in rs if r.get("bytes_vs_ddp") and r["name"] != "ddp"),
-                            key=lambda r: -r["bytes_vs_ddp"])
+            key = f"bytes_vs_{ref}"
+            ranked = sorted((r for r in rs if r.get(key) and r["name"] != ref), key=lambda r: -r[key])
             if ranked:
-                lines.append(f"{head}: bytes per step per rank vs DDP's {_fmt_bytes(ddp['bytes_per_step'])} MB: "
-                             + ", ".join(f"{r['algorithm']} {r['bytes_vs_ddp']:.0f}x fewer" for r in ranked))
+                lines.append(f"{head}: bytes per step per rank vs {ref_title}'s {_fmt_bytes(ddp['bytes_per_step'])} MB: "
+                             + ", ".join(f"{r['algorithm']} {r[key]:.0f}x fewer" for r in ranked))
         full = [r for r in rs if r["steps_run"] == max(x["steps_run"] for x in rs)]
         if not any(r.get("projected") for r in rs) and ddp and ddp in full and len(full) == len(rs) and ddp.get("final_loss"):
-            lines.append(f"{head}: held-out loss at equal steps ({ddp['steps_run']}): DDP {ddp['final_loss']:.4f}; "
+            lines.append(f"{head}: held-out loss at equal steps ({ddp['steps_run']}): {ref_title} {ddp['final_loss']:.4f}; "
                          + ", ".join(f"{r['algorithm']} {r['final_loss']:.4f} "
                                      f"({(r['final_loss'] / ddp['final_loss'] - 1) * 100:+.1f}%)"
                                      for r in rs if r is not ddp))
@@ -830,8 +870,9 @@ def write_convergence_outputs(rows, out_dir, summary=None):
             ax.axhline(rs[0]["target"], color="grey", linestyle="--", linewidth=1, label="target")
             ax.set_xlabel("training wall-clock seconds (evaluation excluded)")
             ax.set_ylabel(f"held-out {rs[0]['metric']}")
-            proj = any(r.get("projected") for r in rs if (r["network"], r["world_size"]) == (network, P))
-            ax.set_title(f"{model}, {network}, P={P}" + (f" (seed {first_seed})" if several else "")
+            panel = [r for r in rs if (r["network"], r["world_size"]) == (network, P)]
+            proj = any(r.get("projected") for r in panel)
+            ax.set_title(f"{model}, {network}, P={P}{_layout(panel[0])}" + (f" (seed {first_seed})" if several else "")
                          + (" projected: loopback steps x measured s/step" if proj else ""), fontsize=9)
             ax.legend(fontsize=7)
         fig.tight_layout()

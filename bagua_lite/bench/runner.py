@@ -3,8 +3,9 @@
     python -m bagua_lite.bench --config configs/benchmark.yaml [--project 16,32,128,1024] [--out bench_out]
 
 On one machine it launches the ranks itself: for every network condition in the YAML (``loopback``, or
-an emulated link such as ``1gbit``: each rank in its own network namespace, veth pairs on a bridge,
-``tc tbf`` rate limits; needs root) and every world size, P worker processes train every model with
+an emulated link such as ``1gbit``: each rank in its own network namespace, or ``ranks_per_node`` ranks
+in one, a node (``launch``), veth pairs on a bridge, ``tc tbf`` rate limits; needs root) and every world
+size, P worker processes (with ``shards`` > 1, on an FSDP2-sharded model: ``cells.wrap_sharded``) train every model with
 every algorithm, under every straggler condition. Under ``torchrun`` (RANK/WORLD_SIZE set) it measures on
 the real cluster instead.
 
@@ -317,31 +318,50 @@ class Progress:
         out.flush()
 
 
+def node_of(rank, ranks_per_node):
+    """(node, local rank) of ``rank``: consecutive ranks share a node (``ranks_per_node`` of them)."""
+    return divmod(rank, ranks_per_node)
+
+
 def launch(cfg, config_path, network, world_size, result_path, progress, phase="run"):
-    """Start ``world_size`` workers for one network condition; wait, showing progress."""
+    """Start ``world_size`` workers for one network condition; wait, showing progress.
+
+    On an emulated link the ranks sit in nodes of ``ranks_per_node`` consecutive ranks: one network
+    namespace per node (``EmulatedNetwork`` over the nodes), every rank of a node launched in it with the
+    node's interface as ``GLOO_SOCKET_IFNAME`` and address. Two ranks of a node reach each other at that
+    address, which is local to the namespace, so the kernel carries their traffic over the namespace's
+    loopback, not the rate-limited veth; traffic to another node crosses both nodes' veths. MASTER_ADDR is
+    node 0's. With nodes (``ranks_per_node`` > 1) LOCAL_RANK and LOCAL_WORLD_SIZE are the node's, as
+    torchrun sets them on a real node (hierarchical gradient_allreduce reads them); with one rank per node
+    LOCAL_WORLD_SIZE stays the number of ranks on this machine, as before nodes existed: the cost model's
+    calibration (``cost_network.cores_per_rank``) divides this machine's cores by it.
+    ``BAGUA_LITE_BENCH_RANKS_PER_NODE`` tells ``cells.tx_bytes`` how many ranks share the node's counter."""
     threads = os.environ.get("BAGUA_LITE_BENCH_THREADS", "1")
-    env_base = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+    per_node = cfg.get("ranks_per_node", 1)
+    env_base = dict(os.environ, WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(per_node if per_node > 1 else world_size),
                     BAGUA_LITE_BENCH_NETWORK=network, OMP_NUM_THREADS=threads,
-                    BAGUA_LITE_BENCH_THREADS=threads)
+                    BAGUA_LITE_BENCH_THREADS=threads, BAGUA_LITE_BENCH_RANKS_PER_NODE=str(per_node))
     env_base.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at INFO
     port = _free_port()
     emu = None
     try:
         rate = netem.NETWORKS[network]
         if rate is not None:
-            emu = netem.EmulatedNetwork(world_size, rate).__enter__()
+            emu = netem.EmulatedNetwork(world_size // per_node, rate).__enter__()
             master = emu.address(0)
         else:
             master = "127.0.0.1"
         procs = []
         for r in range(world_size):
-            env = dict(env_base, RANK=str(r), LOCAL_RANK=str(r), MASTER_ADDR=master, MASTER_PORT=str(port),
-                       BAGUA_LITE_BENCH_ADDR=emu.address(r) if emu is not None else "127.0.0.1")
+            node, local = node_of(r, per_node)
+            env = dict(env_base, RANK=str(r), LOCAL_RANK=str(local if per_node > 1 else r), MASTER_ADDR=master,
+                       MASTER_PORT=str(port),
+                       BAGUA_LITE_BENCH_ADDR=emu.address(node) if emu is not None else "127.0.0.1")
             argv = [sys.executable, "-m", "bagua_lite.bench", "--config", config_path, "--worker",
                     "--network", network, "--result-file", result_path, "--phase", phase]
             if emu is not None:
-                env["GLOO_SOCKET_IFNAME"] = emu.interface(r)
-                argv = emu.command(r, argv)
+                env["GLOO_SOCKET_IFNAME"] = emu.interface(node)
+                argv = emu.command(node, argv)
             procs.append(subprocess.Popen(argv, env=env))
         deadline = time.monotonic() + cfg["timeout_s"] * 2
         while any(p.poll() is None for p in procs):

@@ -27,6 +27,10 @@ def time_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
     name = cell["name"]
     model, wrapper, opt, handle = wrap(cell, cfg, net)
     ours = wrapper is not None
+    # a DistributedModel's engine overlaps backward: how long backward waited for it and how busy it was.
+    # A ShardedModel (shards > 1) runs each unit's exchange inside FSDP2's hook, which waits for it: there
+    # is no overlap to measure, and it keeps no such counters (its rows get no waits/busy).
+    profiled = ours and hasattr(wrapper, "engine_stats")
     asynchronous = ours and bool(getattr(wrapper.algorithm, "asynchronous", False))
     slow = straggler == "half" and rank == STRAGGLER_RANK
     times, losses, waits, busy, sent, tx = [], [], [], [], [], []
@@ -58,8 +62,8 @@ def time_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
             dist.barrier()
         comm.reset_traffic()
         tx0 = tx_bytes()
-        wait0 = wrapper.timings["backward_wait_s"] if ours else 0.0
-        if ours:
+        wait0 = wrapper.timings["backward_wait_s"] if profiled else 0.0
+        if profiled:
             wrapper.engine_stats(reset=True)
         t0 = time.perf_counter()
         if pending_sleep:
@@ -86,7 +90,7 @@ def time_cell(cell, cfg, model_name, batches, rank, world, straggler="none"):
                     rank_times[r].append(t)
                 times.append(max(per.tolist()))
             losses.append(float(loss.detach()))
-            if ours:
+            if profiled:
                 waits.append(wrapper.timings["backward_wait_s"] - wait0)
                 busy.append(wrapper.engine_stats()["busy_seconds"])
             sent.append(comm.bytes_sent())
