@@ -10,17 +10,13 @@ steps), ``DISCONTINUOUS`` where a rounding can flip a selection, a sign or Adam'
 first guesses until a GPU run measures them; the table prints what was measured.
 """
 import datetime
-import multiprocessing as mp
-import os
-import queue
-import tempfile
 import traceback
 
 import pytest
 import torch
 
 from algo_matrix import CENTRALIZED, DISCONTINUOUS, build_model, loss_of, pick, weights
-from gpu_device import DEVICE
+from gpu_device import DEVICE, spawn_ranks
 
 ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "powersgd", "qadam",
                   "decentralized", "decentralized_all", "low_precision_decentralized", "local_sgd", "diloco",
@@ -67,29 +63,7 @@ def _worker(rank, P, backend, device, store_path, results):
 
 
 def _run(P, backend, device, timeout=240):
-    ctx = mp.get_context("spawn")
-    fd, store = tempfile.mkstemp(prefix="bagua_lite_gpu_")
-    os.close(fd)
-    os.unlink(store)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, backend, device, store, results)) for r in range(P)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < P:
-            try:
-                rank, out = results.get(timeout=timeout)
-                got[rank] = out
-            except queue.Empty:
-                break
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    codes = [p.exitcode for p in procs]
-    return got, codes
+    return spawn_ranks(_worker, P, (backend, device), timeout)
 
 
 _CPU = {}

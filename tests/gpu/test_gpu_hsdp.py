@@ -9,16 +9,12 @@ mesh shape, data and seeds, as the largest difference relative to the largest we
 equal where the algorithm keeps them so. Tolerances as tests/gpu/test_gpu_algorithms.py's.
 """
 import datetime
-import multiprocessing as mp
-import os
-import queue
-import tempfile
 import traceback
 
 import pytest
 import torch
 
-from gpu_device import DEVICE
+from gpu_device import DEVICE, spawn_ranks
 
 ALGORITHMS = {
     "hsdp_identity": ("gradient_allreduce", {}),
@@ -81,29 +77,7 @@ def _worker(rank, P, backend, device, R, S, store_path, results):
 
 
 def _run(backend, device, R, S, timeout=240):
-    P = R * S
-    ctx = mp.get_context("spawn")
-    fd, store = tempfile.mkstemp(prefix="bagua_lite_gpu_hsdp_")
-    os.close(fd)
-    os.unlink(store)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, P, backend, device, R, S, store, results)) for r in range(P)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < P:
-            try:
-                rank, out = results.get(timeout=timeout)
-                got[rank] = out
-            except queue.Empty:
-                break
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    return got, [p.exitcode for p in procs]
+    return spawn_ranks(_worker, R * S, (backend, device, R, S), timeout)
 
 
 @pytest.mark.parametrize("backend,R,S", SHAPES, ids=[f"{b}-{r}x{s}" for b, r, s in SHAPES])
