@@ -67,11 +67,6 @@ class ErrorFeedbackSparsifier(Algorithm):
         self.selection.allocate(model.buckets, self.use_block_max)
         self._correction = _momentum.MomentumCorrection(self.name, self.momentum_correction)
         self._correction.resolve(model)
-        if model.sharded and self._correction.active:  # ShardedModel asked check_shards first: a backstop
-            raise ValueError(f"{self.name}: momentum correction (the default with an SGD optimizer with momentum) "
-                             f"applies the update in the optimizer's place, which it cannot on the DTensor shards of "
-                             f"an FSDP2 model; pass momentum_correction=0 (the optimizer's momentum then acts on the "
-                             f"sparse averages)")
         self.memory = SparseMemory(model.buckets, momentum=self._correction.active)
         # Between steps a bucket holds only the last kept sparse result; remembering where it wrote lets
         # the next step clear k entries instead of the whole bucket (None: clear everything). A round's
