@@ -240,6 +240,9 @@ class _AbsMaxLowBit(Compressor):
         return 4 + (n + per - 1) // per
 
     def compress(self, x, out):
+        if _C.cuda_handles_codec(x):  # the CUDA kernels: the same bytes, no host synchronisation
+            _C.absmax_encode_cuda(x.reshape(-1).contiguous(), out[:4], out[4:self.wire_bytes(x.numel())], self.bits)
+            return
         scale, codes = _absmax_codes(x, self.levels)
         out[:4].view(torch.float32)[0] = scale
         # biased codes: code + levels in 0..2*levels (fits ``bits`` bits)
@@ -247,6 +250,9 @@ class _AbsMaxLowBit(Compressor):
 
     def decompress(self, wire, out, accumulate=False):
         n = out.numel()
+        if out.dtype == torch.float32 and out.is_contiguous() and _C.cuda_handles_codec(out):
+            _C.absmax_decode_cuda(wire[:4], wire[4:self.wire_bytes(n)], out.view(-1), self.bits, accumulate)
+            return
         scale = wire[:4].view(torch.float32)[0]
         codes = _unpack(wire[4:self.wire_bytes(n)], self.bits, n).to(torch.float32) - self.levels
         _deliver(codes * scale, out, accumulate)
@@ -270,10 +276,13 @@ class AbsMax2(_AbsMaxLowBit):
 
 
 def _topk_indices(xf: torch.Tensor, k: int) -> torch.Tensor:
-    """Ascending int64 indices of the k largest |xf|, ties going to the lower index (NaN counts as +inf), so
-    the choice is a function of the values alone (numpy: the first k of a stable argsort of -|x|)."""
+    """Ascending indices of the k largest |xf|, ties going to the lower index (NaN counts as +inf; on CUDA as
+    larger than +inf), so the choice is a function of the values alone (numpy: the first k of a stable argsort
+    of -|x|). int64, or int32 from the CUDA kernel."""
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=xf.device)
+    if _C.cuda_handles_codec(xf):  # the CUDA kernel: the same choice, no host synchronisation (NaN: largest)
+        return _C.topk(xf, k)[1]
     a = torch.nan_to_num(xf.abs(), nan=float("inf"))
     if k == a.numel():
         return torch.arange(k, device=xf.device)
@@ -351,6 +360,10 @@ class TopKAbsMax2Compressor(TopKCompressor):
         xf = x.reshape(-1).to(torch.float32)
         k = self.k(xf.numel())
         idx = _topk_indices(xf, k)
+        if _C.cuda_handles_codec(xf):  # the absmax2 kernel: the same bytes, no host synchronisation
+            out[4:4 + 4 * k].view(torch.int32).copy_(idx)
+            _C.absmax_encode_cuda(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
+            return
         scale, codes = _absmax_codes(xf[idx], 1)
         out[:4].view(torch.float32)[0] = scale
         out[4:4 + 4 * k].view(torch.int32).copy_(idx)

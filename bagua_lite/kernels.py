@@ -1,4 +1,5 @@
-"""Compute kernels of the C++ core (CPU with OpenMP; other devices through ATen).
+"""Compute kernels of the C++ core (CPU with OpenMP; CUDA with its own kernels where the extension was built
+with them, see :func:`cuda_kernels_enabled`; other devices through ATen).
 
 All sparse sets are (values, int32 indices). A *canonical* set has strictly ascending indices.
 """
@@ -9,7 +10,7 @@ import torch
 from . import _C
 
 __all__ = ["topk_count", "topk", "topk_out", "block_max_combine_", "compress", "decompress", "wire_bytes", "sparse_normalize",
-           "merge_topk", "scatter_add_", "ef_remove_"]
+           "merge_topk", "scatter_add_", "ef_remove_", "cuda_kernels_enabled"]
 
 
 def topk_count(numel: int, density: float) -> int:
@@ -80,3 +81,11 @@ def ef_remove_(residual, indices):
     """Error feedback: zero the entries of ``residual`` that were communicated."""
     _C.ef_remove_(residual, indices)
     return residual
+
+
+def cuda_kernels_enabled() -> bool:
+    """Whether this build has the CUDA kernels (built when torch has CUDA and nvcc is found) and the
+    environment leaves them on (``BAGUA_LITE_CUDA_KERNELS=0`` sends CUDA tensors to the ATen paths, which
+    give the same results but read values back to the host). They cover top-k and every built-in codec of
+    float32, float16 and bfloat16 tensors, with no host synchronisation."""
+    return _C.cuda_kernels_enabled()

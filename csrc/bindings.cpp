@@ -9,6 +9,7 @@
 #include "common.h"
 #include "engine/engine.h"
 #include "kernels/compress.h"
+#include "kernels/cuda.h"
 #include "kernels/sparse.h"
 #include "kernels/topk.h"
 
@@ -97,6 +98,30 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       },
       py::arg("x"), py::arg("k"), py::arg("values"), py::arg("indices"), py::arg("block_max") = py::none(), release());
   m.def("compress", &kern::compress, py::arg("x"), py::arg("compression"), release());
+  m.def("cuda_kernels_enabled", &kern::cuda::enabled,
+        "Whether this build has the CUDA kernels and BAGUA_LITE_CUDA_KERNELS is not 0");
+  m.def("cuda_handles_codec", &kern::cuda::handles_codec, py::arg("values"),
+        "Whether the CUDA codec kernels take this tensor (float32/16/bf16 on a CUDA device, kernels enabled)");
+  m.def(
+      "absmax_encode_cuda",
+      [](const at::Tensor& x, at::Tensor header, at::Tensor codes, int64_t bits) {
+#ifdef BAGUA_LITE_WITH_CUDA
+        kern::cuda::absmax_encode(x, header, codes, bits);
+#else
+        TORCH_CHECK(false, "absmax_encode_cuda: this build of bagua_lite has no CUDA kernels");
+#endif
+      },
+      py::arg("x"), py::arg("header"), py::arg("codes"), py::arg("bits"), release());
+  m.def(
+      "absmax_decode_cuda",
+      [](const at::Tensor& header, const at::Tensor& codes, at::Tensor out, int64_t bits, bool accumulate) {
+#ifdef BAGUA_LITE_WITH_CUDA
+        kern::cuda::absmax_decode(header, codes, out, bits, accumulate);
+#else
+        TORCH_CHECK(false, "absmax_decode_cuda: this build of bagua_lite has no CUDA kernels");
+#endif
+      },
+      py::arg("header"), py::arg("codes"), py::arg("out"), py::arg("bits"), py::arg("accumulate"), release());
   m.def("decompress", &kern::decompress, py::arg("wire"), py::arg("compression"), py::arg("numel"),
         py::arg("dtype"), release());
   m.def("wire_bytes", [](const std::string& c, int64_t n) { return kern::get_compressor(c).wire_bytes(n); });

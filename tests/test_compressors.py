@@ -97,6 +97,53 @@ def test_builtin_decompress_accumulates(n, dtype):
         assert torch.equal(out, base + decoded), name
 
 
+def _fixed_order_abs_sum(x):
+    """kernels/sign_sum.h's summation of |x| in numpy float64: blocks of 2048 halved pairwise, then the block
+    sums, zero-padded to a power of two, halved the same way (the CUDA kernel's order)."""
+    a = np.abs(x.double().numpy())
+    nb = -(-a.size // 2048)
+    s = np.zeros(nb * 2048)
+    s[:a.size] = a
+    s = s.reshape(nb, 2048)
+    while s.shape[1] > 1:
+        h = s.shape[1] // 2
+        s = s[:, :h] + s[:, h:]
+    parts = s[:, 0]
+    width = 1 << max(0, (nb - 1).bit_length())
+    parts = np.concatenate([parts, np.zeros(width - nb)])
+    while parts.size > 1:
+        h = parts.size // 2
+        parts = parts[:h] + parts[h:]
+    return parts[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_sign_scale_is_summed_in_the_documented_order(dtype):
+    """The sign scale's bits are a function of the values alone, summed in the order the CUDA kernel
+    follows, so CPU and GPU ranks write the same header (tests/gpu compares the two directly)."""
+    for n in (1, 7, 2047, 2048, 2049, 65_537, 300_001):
+        x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+        header = K.compress(x, "sign")[:4].numpy().view(np.float32)[0]
+        assert header == np.float32(_fixed_order_abs_sum(x) / n), (dtype, n)
+
+
+def test_minmax_header_writes_a_negative_zero_bound_as_positive_zero():
+    """A -0 bound is written as +0, so the header bytes do not depend on the order a reduction meets zeros."""
+    for x in (torch.tensor([-0.0, 1.0, 2.0]), torch.tensor([-1.0, -0.0]), torch.tensor([-0.0, -0.0])):
+        lo, hi = K.compress(x, "minmax_uint8")[:8].numpy().view(np.float32)
+        assert not np.signbit(lo) or lo != 0, x
+        assert not np.signbit(hi) or hi != 0, x
+
+
+def test_a_cpu_build_reports_no_cuda_kernels_and_refuses_their_entry_points():
+    if K.cuda_kernels_enabled():
+        pytest.skip("this build has the CUDA kernels (tests/gpu checks them)")
+    assert not bagua_lite._C.cuda_handles_codec(torch.zeros(3))
+    with pytest.raises(RuntimeError, match="no CUDA kernels"):
+        bagua_lite._C.absmax_encode_cuda(torch.zeros(3), torch.zeros(4, dtype=torch.uint8),
+                                         torch.zeros(2, dtype=torch.uint8), 4)
+
+
 def test_sign_rejects_non_finite_and_names_it():
     with pytest.raises(ValueError, match=r"sign compress: input must be finite"):
         K.compress(torch.tensor([1.0, float("inf")]), "sign")

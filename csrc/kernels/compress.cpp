@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include <c10/util/Half.h>
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -15,6 +17,8 @@
 #endif
 
 #include "common.h"
+#include "kernels/cuda.h"
+#include "kernels/sign_sum.h"
 
 namespace bagua_lite {
 namespace kernels {
@@ -131,6 +135,56 @@ BL_MULTIVERSION void sign_unpack_f32(const uint8_t* __restrict__ bits, float* __
   }
 }
 
+// sum |x| of one whole block of kSignBlock float32 values in sign_sum.h's order
+BL_MULTIVERSION double abs_sum_block_f32(const float* __restrict__ q) {
+  constexpr int kHalf = kSignBlock / 2;
+  double s[kHalf];
+  for (int j = 0; j < kHalf; ++j) s[j] = static_cast<double>(std::fabs(q[j])) + static_cast<double>(std::fabs(q[j + kHalf]));
+  for (int h = kHalf / 2; h > 0; h >>= 1) {
+    for (int j = 0; j < h; ++j) s[j] += s[j + h];
+  }
+  return s[0];
+}
+
+// sum |x| of a contiguous CPU tensor in sign_sum.h's order, which the CUDA kernel follows: the same double
+double abs_sum_fixed_order(const at::Tensor& x) {
+  constexpr int kHalf = kSignBlock / 2;
+  const int64_t n = x.numel();
+  const int64_t blocks = (n + kSignBlock - 1) / kSignBlock;
+  std::vector<double> part(blocks);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sign_abs_sum", [&] {
+    const scalar_t* p = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, blocks, 64, [&](int64_t lo, int64_t hi) {
+      for (int64_t b = lo; b < hi; ++b) {
+        const scalar_t* q = p + b * kSignBlock;
+        const int64_t m = std::min<int64_t>(kSignBlock, n - b * kSignBlock);
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (m == kSignBlock) {
+            part[b] = abs_sum_block_f32(reinterpret_cast<const float*>(q));  // scalar_t is float here
+            continue;
+          }
+        }
+        double s[kHalf];
+        for (int j = 0; j < kHalf; ++j) {
+          const double a = j < m ? std::fabs(static_cast<double>(q[j])) : 0.0;
+          const double c = j + kHalf < m ? std::fabs(static_cast<double>(q[j + kHalf])) : 0.0;
+          s[j] = a + c;
+        }
+        for (int h = kHalf / 2; h > 0; h >>= 1) {
+          for (int j = 0; j < h; ++j) s[j] += s[j + h];
+        }
+        part[b] = s[0];
+      }
+    });
+  });
+  int64_t width = 1;
+  while (width < blocks) width <<= 1;
+  for (int64_t h = width / 2; h > 0; h >>= 1) {
+    for (int64_t j = 0; j < h && j + h < blocks; ++j) part[j] += part[j + h];
+  }
+  return part[0];
+}
+
 // fp16 and bf16: a cast to a 16-bit float type on the way out, and back (or added) on the way in.
 template <at::ScalarType kWire>
 class HalfCompressor final : public Compressor {
@@ -146,6 +200,11 @@ class HalfCompressor final : public Compressor {
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
     check_wire(in, wire_bytes(out.numel()), name_, out);
     if (out.numel() == 0) return;
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (out.scalar_type() == at::kFloat && cuda::handles_codec(out)) {
+      return cuda::half_decode(in, out, kWire == at::kBFloat16, accumulate);
+    }
+#endif
     if (out.device().is_cpu() && out.scalar_type() == at::kFloat) {
       // ATen's mixed-dtype add (float32 += half) runs about 8x slower than this conversion loop
       const uint16_t* q = reinterpret_cast<const uint16_t*>(in.const_data_ptr<uint8_t>());
@@ -176,10 +235,15 @@ class SignCompressor final : public Compressor {
   void compress(const at::Tensor& x, at::Tensor& out) const override {
     const int64_t n = x.numel();
     check_wire(out, wire_bytes(n), "sign compress", x);
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (cuda::handles_codec(x)) return cuda::sign_encode(x, out);
+#endif
     float scale = 0.f;
     if (n > 0) {
       auto xf = x.reshape(-1);
-      double mean_abs = xf.norm(1).item<double>() / static_cast<double>(n);  // no |x| temporary
+      // the CPU sums in the CUDA kernel's order (sign_sum.h); other devices without the kernels use ATen's
+      double mean_abs = (x.device().is_cpu() ? abs_sum_fixed_order(x) : xf.norm(1).item<double>()) /
+                        static_cast<double>(n);
       BL_CHECK(std::isfinite(mean_abs), "sign compress: input must be finite (mean |x| = ", mean_abs, ")");
       scale = static_cast<float>(mean_abs);
       auto bits = out.narrow(0, kHeader, (n + 7) / 8);
@@ -222,6 +286,9 @@ class SignCompressor final : public Compressor {
     const int64_t n = out.numel();
     check_wire(in, wire_bytes(n), "sign decompress", out);
     if (n == 0) return;
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (cuda::handles_codec(out)) return cuda::sign_decode(in, out, accumulate);
+#endif
     float scale;
     auto header = in.device().is_cpu() ? in.narrow(0, 0, kHeader) : in.narrow(0, 0, kHeader).cpu();
     std::memcpy(&scale, header.const_data_ptr<uint8_t>(), kHeader);
@@ -296,14 +363,18 @@ class MinMaxUInt8Compressor final : public Compressor {
   void compress(const at::Tensor& x, at::Tensor& out) const override {
     const int64_t n = x.numel();
     check_wire(out, wire_bytes(n), "minmax_uint8 compress", x);
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (cuda::handles_codec(x)) return cuda::minmax_encode(x, out);
+#endif
     if (!x.device().is_cpu()) return compress_aten(x, out);
     float header[2] = {0.f, 0.f};
     uint8_t* q = out.data_ptr<uint8_t>() + kHeader;
     if (n > 0) {
       // ATen's vectorized min/max in one pass; a NaN propagates into it, so the check below rejects it.
       auto mm = at::aminmax(x.reshape(-1));
-      header[0] = std::get<0>(mm).item<float>();
-      header[1] = std::get<1>(mm).item<float>();
+      // + 0: a -0 bound is written as +0, so the bytes do not depend on which zero the reduction met first
+      header[0] = std::get<0>(mm).item<float>() + 0.f;
+      header[1] = std::get<1>(mm).item<float>() + 0.f;
       BL_CHECK(std::isfinite(header[0]) && std::isfinite(header[1]),
                "minmax_uint8 compress: input must be finite (min=", header[0], ", max=", header[1], ")");
     }
@@ -336,6 +407,9 @@ class MinMaxUInt8Compressor final : public Compressor {
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
     const int64_t n = out.numel();
     check_wire(in, wire_bytes(n), "minmax_uint8 decompress", out);
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (cuda::handles_codec(out)) return cuda::minmax_decode(in, out, accumulate);
+#endif
     if (!out.device().is_cpu()) return decompress_aten(in, out, accumulate);
     float header[2];
     std::memcpy(header, in.const_data_ptr<uint8_t>(), kHeader);
@@ -372,8 +446,8 @@ class MinMaxUInt8Compressor final : public Compressor {
     float lo = 0.f, hi = 0.f;
     if (xf.numel()) {
       auto mm = at::aminmax(xf);
-      lo = std::get<0>(mm).item<float>();
-      hi = std::get<1>(mm).item<float>();
+      lo = std::get<0>(mm).item<float>() + 0.f;
+      hi = std::get<1>(mm).item<float>() + 0.f;
       BL_CHECK(std::isfinite(lo) && std::isfinite(hi), "minmax_uint8 compress: input must be finite (min=", lo,
                ", max=", hi, ")");
     }

@@ -31,6 +31,8 @@
 
 #include "kernels/topk.h"
 
+#include "kernels/cuda.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/core/GradMode.h>
@@ -928,6 +930,9 @@ void topk_out(const at::Tensor& x, int64_t k, at::Tensor& values, at::Tensor& in
     bm = block_max.const_data_ptr<int32_t>();
   }
   if (!x.device().is_cpu()) {
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (cuda::handles_topk(x)) return cuda::topk_out(x, k, values, indices);
+#endif
     detail::topk_out_aten(x, k, values, indices);
     return;
   }

@@ -44,6 +44,85 @@ def test_topk(dev, record, dtype):
     assert ok
 
 
+def _adversarial(n):
+    """Inputs that defeat a sampled threshold (the kernel must fall back on the device and stay exact)."""
+    g = torch.Generator().manual_seed(n)
+    periodic = torch.rand(n, generator=g) * 1e-3
+    periodic[::max(1, n // 8192)] = 5.0  # large exactly where an evenly spaced sample looks
+    return [("all equal", torch.full((n,), 0.5)), ("ties +-1", torch.tensor([1.0, -1.0]).repeat(n // 2)),
+            ("one huge", torch.cat([torch.zeros(n - 1), torch.tensor([3e38])])),
+            ("denormals", torch.full((n,), 1e-44)), ("zeros and -0", torch.tensor([0.0, -0.0]).repeat(n // 2)),
+            ("sorted", torch.randn(n, generator=g).abs().sort().values), ("sample aliasing", periodic),
+            ("inf", torch.cat([torch.randn(n - 3, generator=g), torch.tensor([float("inf"), -float("inf"), 1.0])]))]
+
+
+@pytest.mark.parametrize("n", [40000, 1 << 20])
+def test_topk_adversarial_large(dev, record, n):
+    """Sizes where the device kernel samples a threshold (above 32768 elements), with the inputs that make
+    the sample misjudge, at k = 1, a few, density 0.001 / 0.01 / 0.3 and n - 1."""
+    ok, bad = True, []
+    for name, x in _adversarial(n):
+        for k in sorted({1, 17, max(1, n // 1000), n // 100, 3 * n // 10, x.numel() - 1}):
+            cv, ci = K.topk(x, k)
+            dv, di = K.topk(x.to(dev), k)
+            same = torch.equal(cv, dv.cpu()) and torch.equal(ci, di.cpu())
+            ok &= same
+            if not same:
+                bad.append(f"{name} k={k}")
+    record(f"kernel topk adversarial n={n}", "-", 1, ok, 0.0 if ok else float("nan"), note=", ".join(bad[:4]))
+    assert ok, bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", NATIVE + ["absmax4", "absmax2"])
+def test_codec_half_inputs(dev, record, name, dtype):
+    """Encoding float16 / bfloat16 values: the wire bytes the CPU writes for them; decoding into them."""
+    comp = compressors.get_compressor(name)
+    ok = True
+    for n in SIZES:
+        x = _x(n, 7 * n + 3, dtype)
+        wire_c = torch.empty(comp.wire_bytes(n), dtype=torch.uint8)
+        wire_d = torch.empty(comp.wire_bytes(n), dtype=torch.uint8, device=dev)
+        comp.compress(x, wire_c)
+        comp.compress(x.to(dev), wire_d)
+        ok &= torch.equal(wire_c, wire_d.cpu())
+        for accumulate in (False, True):
+            out_c, out_d = x.clone(), x.to(dev)
+            comp.decompress(wire_c, out_c, accumulate=accumulate)
+            comp.decompress(wire_c.to(dev), out_d, accumulate=accumulate)
+            ok &= torch.equal(out_c, out_d.cpu())
+    record(f"codec {name} {str(dtype)[6:]}", "-", 1, ok, 0.0 if ok else float("nan"))
+    assert ok
+
+
+def test_kernels_never_wait_for_the_device(dev, record):
+    """A top-k or any built-in codec on CUDA tensors makes no device-to-host copy or synchronisation:
+    torch's sync debug mode raises at the first one (the ATen fallbacks it replaces read values back)."""
+    if dev.type == "cpu":
+        record("no host synchronisation", "-", 1, True, 0.0, note="not applicable on the CPU")
+        return
+    x = _x((1 << 20) + 3, 5).to(dev)
+    comps = [compressors.get_compressor(n) for n in NATIVE + PYTHON]
+    wires = [torch.empty(c.wire_bytes(x.numel()), dtype=torch.uint8, device=dev) for c in comps]
+    out = torch.empty_like(x)
+    calls = 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for k in (1, 1000, 10000, x.numel() // 3):
+            K.topk(x, k)
+            calls += 1
+        for comp, wire in zip(comps, wires):
+            comp.compress(x, wire)
+            comp.decompress(wire, out, accumulate=False)
+            comp.decompress(wire, out, accumulate=True)
+            calls += 3
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    record("no host synchronisation", "-", 1, True, 0.0, note=f"{calls} calls under set_sync_debug_mode('error')")
+
+
 @pytest.mark.parametrize("name", NATIVE + PYTHON)
 def test_codec_wire_bytes_and_decode(dev, record, name):
     comp = compressors.get_compressor(name)
