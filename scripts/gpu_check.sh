@@ -2,7 +2,8 @@
 # The GPU check in one go: builds the extension against this machine's torch, then runs tests/gpu/ (every
 # kernel and codec against its CPU version; every algorithm under NCCL at P = 1 and over gloo with CUDA
 # tensors at P = 2 and 3, against its own CPU run) and prints one table: what x backend x P, ok, the largest
-# difference, whether a repeat was bit-identical. The table and the log go to $OUT (default gpu_check_out/).
+# difference, whether a repeat was bit-identical; then the kernel benchmark (python -m bagua_lite.bench.kernels).
+# The tables and the logs go to $OUT (default gpu_check_out/).
 #
 #   bash scripts/gpu_check.sh                  on a machine with a CUDA device
 #   bash scripts/gpu_check.sh --cpu            without one: the CPU stands in for the device (checks the harness)
@@ -41,5 +42,9 @@ MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --quiet --no-build-isolation
 echo "gpu_check: built in $(( $(date +%s) - start )) s"
 rc=0
 BAGUA_LITE_GPU_CHECK=$device OUT=$OUT "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log" || rc=$?
+# the kernel table (ms, GB/s, x the floor, torch in the same run); small sizes when the CPU stands in
+if [ "$device" = cuda ]; then sizes=25000000,100000000; else sizes=1000000; fi
+timeout 300 "$PY" -m bagua_lite.bench.kernels --device "$device" --sizes "$sizes" --json "$OUT/kernels.json" \
+  2>&1 | tee "$OUT/kernels.txt" || rc=$?
 echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); table: $OUT/gpu_check.md" | tee -a "$OUT/pytest.log"
 exit $rc
