@@ -103,6 +103,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_handles_codec", &kern::cuda::handles_codec, py::arg("values"),
         "Whether the CUDA codec kernels take this tensor (float32/16/bf16 on a CUDA device, kernels enabled)");
   m.def(
+      "compress_with_residual",
+      [](at::Tensor x, const std::string& compression, at::Tensor residual, at::Tensor out) {
+        return kern::get_compressor(compression).compress_with_residual(x, residual, out);
+      },
+      py::arg("x"), py::arg("compression"), py::arg("residual"), py::arg("out"), release(),
+      "Error feedback fused on the device (x += residual; out = C(x); residual = x - D(out)); False where "
+      "there is no fused path for these tensors (nothing touched)");
+  m.def(
       "absmax_encode_cuda",
       [](const at::Tensor& x, at::Tensor header, at::Tensor codes, int64_t bits) {
 #ifdef BAGUA_LITE_WITH_CUDA

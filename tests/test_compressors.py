@@ -144,6 +144,17 @@ def test_a_cpu_build_reports_no_cuda_kernels_and_refuses_their_entry_points():
                                          torch.zeros(2, dtype=torch.uint8), 4)
 
 
+def test_fused_error_feedback_has_no_cpu_path_and_touches_nothing():
+    """compress_with_residual is the CUDA kernels' fused path; on the CPU it declines and leaves every buffer
+    as it was, so compressed_allreduce does the three steps itself."""
+    x, r = torch.randn(1000), torch.randn(1000)
+    for name in BUILTINS:
+        wire = torch.full((K.wire_bytes(name, 1000),), 7, dtype=torch.uint8)
+        x0, r0 = x.clone(), r.clone()
+        assert bagua_lite._C.compress_with_residual(x0, name, r0, wire) is False
+        assert torch.equal(x0, x) and torch.equal(r0, r) and bool((wire == 7).all())
+
+
 def test_sign_rejects_non_finite_and_names_it():
     with pytest.raises(ValueError, match=r"sign compress: input must be finite"):
         K.compress(torch.tensor([1.0, float("inf")]), "sign")

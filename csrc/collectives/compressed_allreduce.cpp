@@ -44,10 +44,12 @@ void compressed_allreduce(const ProcessGroupPtr& pg, at::Tensor& t, const std::s
     auto chunk = flat.narrow(0, chunk_begin(i), chunk_len(i));
     if (residual) {
       auto r = residual->view(-1).narrow(0, chunk_begin(i), chunk_len(i));
-      chunk.add_(r);                                       // what we owe plus what is new
-      codec.compress(chunk, dst);
-      codec.decompress(dst, r, /*accumulate=*/false);     // what the receivers will read...
-      at::sub_out(r, chunk, r);                            // ...and what they will not: the new residual
+      if (!codec.compress_with_residual(chunk, r, dst)) {  // fused where a device kernel does it
+        chunk.add_(r);                                     // what we owe plus what is new
+        codec.compress(chunk, dst);
+        codec.decompress(dst, r, /*accumulate=*/false);   // what the receivers will read...
+        at::sub_out(r, chunk, r);                          // ...and what they will not: the new residual
+      }
     } else {
       codec.compress(chunk, dst);
     }

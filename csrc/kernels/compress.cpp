@@ -33,6 +33,13 @@ void check_wire(const at::Tensor& wire, int64_t need, const char* fn, const at::
   BL_CHECK(wire.numel() == need, fn, ": wire buffer has ", wire.numel(), " bytes, expected ", need);
 }
 
+// Whether the fused error-feedback kernels take these tensors (float32, contiguous, CUDA, kernels on).
+[[maybe_unused]] bool fused_ef(const at::Tensor& x, const at::Tensor& residual) {
+  return x.scalar_type() == at::kFloat && residual.scalar_type() == at::kFloat && x.is_contiguous() &&
+         residual.is_contiguous() && residual.numel() == x.numel() && residual.device() == x.device() &&
+         cuda::handles_codec(x);
+}
+
 // The float32 hot loops, compiled for AVX2 as well as the baseline and picked at load time (GCC's function
 // multiversioning), so one build runs on any x86-64 and at full width where it can. They vectorize
 // because they are branch-free (the extension builds with -fno-trapping-math, which lets a float compare
@@ -217,6 +224,16 @@ class HalfCompressor final : public Compressor {
     auto flat = out.view(-1);
     if (accumulate) flat.add_(in.view(kWire)); else flat.copy_(in.view(kWire));
   }
+  bool compress_with_residual(at::Tensor& x, at::Tensor& residual, at::Tensor& out) const override {
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (fused_ef(x, residual)) {
+      check_wire(out, wire_bytes(x.numel()), name_, x);
+      cuda::half_encode_ef(x, residual, out, kWire == at::kBFloat16);
+      return true;
+    }
+#endif
+    return Compressor::compress_with_residual(x, residual, out);
+  }
 
  private:
   const char* name_;
@@ -280,6 +297,17 @@ class SignCompressor final : public Compressor {
     } else {  // a device buffer: no host pointer into it
       out.narrow(0, 0, kHeader).copy_(at::from_blob(&scale, {kHeader}, at::TensorOptions().dtype(at::kByte)));
     }
+  }
+
+  bool compress_with_residual(at::Tensor& x, at::Tensor& residual, at::Tensor& out) const override {
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (fused_ef(x, residual)) {
+      check_wire(out, wire_bytes(x.numel()), "sign compress", x);
+      cuda::sign_encode_ef(x, residual, out);
+      return true;
+    }
+#endif
+    return Compressor::compress_with_residual(x, residual, out);
   }
 
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {
@@ -402,6 +430,17 @@ class MinMaxUInt8Compressor final : public Compressor {
       });
     }
     std::memcpy(out.data_ptr<uint8_t>(), header, kHeader);
+  }
+
+  bool compress_with_residual(at::Tensor& x, at::Tensor& residual, at::Tensor& out) const override {
+#ifdef BAGUA_LITE_WITH_CUDA
+    if (fused_ef(x, residual)) {
+      check_wire(out, wire_bytes(x.numel()), "minmax_uint8 compress", x);
+      cuda::minmax_encode_ef(x, residual, out);
+      return true;
+    }
+#endif
+    return Compressor::compress_with_residual(x, residual, out);
   }
 
   void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const override {

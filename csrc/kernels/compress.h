@@ -27,6 +27,13 @@ class Compressor {
   // in: uint8 wire bytes of n elements; out: contiguous floating tensor of n elements.
   // accumulate=false overwrites out, accumulate=true adds into it.
   virtual void decompress(const at::Tensor& in, at::Tensor& out, bool accumulate) const = 0;
+  // Error feedback in one go: x += residual, compress x into out, residual = x - what out decodes to; the same
+  // values as those three steps, in two passes over memory. Returns false, touching nothing, where there is
+  // no fused path (the CUDA kernels take float32 CUDA tensors); the caller then does the three steps.
+  virtual bool compress_with_residual(at::Tensor& x, at::Tensor& residual, at::Tensor& out) const {
+    (void)x, (void)residual, (void)out;
+    return false;
+  }
 };
 
 // "fp16", "bf16", "minmax_uint8" or "sign"; anything else raises a ValueError listing the allowed names.

@@ -33,6 +33,11 @@ void minmax_encode(const at::Tensor& x, at::Tensor& wire);
 void minmax_decode(const at::Tensor& wire, at::Tensor& out, bool accumulate);
 void sign_encode(const at::Tensor& x, at::Tensor& wire);
 void sign_decode(const at::Tensor& wire, at::Tensor& out, bool accumulate);
+// Error feedback fused (compress.h's compress_with_residual), float32 x and residual: x += residual, encode
+// x into the wire, residual = x - decode(wire), in two passes (one for fp16/bf16).
+void half_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire, bool bf16);
+void minmax_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire);
+void sign_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire);
 // absmax4 (levels 7, 4-bit fields) and absmax2 (levels 1, 2-bit fields): scale (4 bytes) into `header`,
 // biased codes into `codes` (ceil(n * bits / 8) bytes); out of decode: float32.
 void absmax_encode(const at::Tensor& x, at::Tensor& header, at::Tensor& codes, int64_t bits);

@@ -95,6 +95,32 @@ def test_codec_half_inputs(dev, record, name, dtype):
     assert ok
 
 
+@pytest.mark.parametrize("name", NATIVE)
+def test_fused_error_feedback_equals_the_three_steps_on_the_cpu(dev, record, name):
+    """compress_with_residual on the device (x += r; wire = C(x); r = x - D(wire), fused) against the three
+    steps on the CPU: the same wire bytes, residual and x."""
+    if dev.type == "cpu":
+        record(f"fused error feedback {name}", "-", 1, True, 0.0, note="no fused path on the CPU")
+        return
+    comp = compressors.get_compressor(name)
+    ok, worst = True, 0.0
+    for n in SIZES:
+        x, r = _x(n, 13 * n + 1), _x(n, 17 * n + 2) * 0.1
+        wire_c = torch.empty(comp.wire_bytes(n), dtype=torch.uint8)
+        x_c, r_c = x.clone(), r.clone()
+        x_c.add_(r_c)
+        comp.compress(x_c, wire_c)
+        comp.decompress(wire_c, r_c, accumulate=False)
+        torch.sub(x_c, r_c, out=r_c)
+        x_d, r_d = x.to(dev), r.to(dev)
+        wire_d = torch.empty(comp.wire_bytes(n), dtype=torch.uint8, device=dev)
+        ok &= _C.compress_with_residual(x_d, name, r_d, wire_d)
+        ok &= torch.equal(wire_c, wire_d.cpu()) and torch.equal(r_c, r_d.cpu()) and torch.equal(x_c, x_d.cpu())
+        worst = max(worst, _diff(r_c, r_d))
+    record(f"fused error feedback {name}", "-", 1, ok, worst)
+    assert ok
+
+
 def test_kernels_never_wait_for_the_device(dev, record):
     """A top-k or any built-in codec on CUDA tensors makes no device-to-host copy or synchronisation:
     torch's sync debug mode raises at the first one (the ATen fallbacks it replaces read values back)."""
@@ -111,6 +137,11 @@ def test_kernels_never_wait_for_the_device(dev, record):
     try:
         for k in (1, 1000, 10000, x.numel() // 3):
             K.topk(x, k)
+            calls += 1
+        for name in NATIVE:
+            assert _C.compress_with_residual(x.clone(), name, torch.zeros_like(x),
+                                             torch.empty(compressors.get_compressor(name).wire_bytes(x.numel()),
+                                                         dtype=torch.uint8, device=dev))
             calls += 1
         for comp, wire in zip(comps, wires):
             comp.compress(x, wire)

@@ -8,6 +8,8 @@
 #include <ATen/Dispatch.h>
 #include <cub/block/block_reduce.cuh>
 
+#include <type_traits>
+
 namespace bagua_lite {
 namespace kernels {
 namespace cuda {
@@ -23,6 +25,33 @@ __global__ void half_decode_kernel(const H* __restrict__ in, float* __restrict__
   }
 }
 
+// What an encoder reads: x itself, or x + residual (error feedback; float32), element by element. Not
+// __restrict__: the error-feedback kernels write x and the residual back where they read them.
+template <typename T>
+struct Plain {
+  const T* x;
+  static constexpr bool kFloat = std::is_same<T, float>::value;
+  __device__ __forceinline__ float operator()(int64_t i) const { return to_float(x[i]); }
+};
+struct PlusResidual {
+  const float* x;
+  const float* r;
+  static constexpr bool kFloat = true;
+  __device__ __forceinline__ float operator()(int64_t i) const { return __fadd_rn(x[i], r[i]); }
+};
+
+// fp16 / bf16 with error feedback: v = x + r, wire = v rounded, r = v - the rounded value, x = v (one pass)
+template <typename H>
+__global__ void half_encode_ef_kernel(float* x, float* r, H* __restrict__ wire, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = __fadd_rn(x[i], r[i]);
+    const H h = static_cast<H>(v);
+    wire[i] = h;
+    r[i] = __fsub_rn(v, to_float(h));
+    x[i] = v;
+  }
+}
+
 // ---- minmax_uint8 --------------------------------------------------------------------------------------
 
 struct MinMax {
@@ -34,11 +63,11 @@ struct MinMaxOp {
   }
 };
 
-template <typename T>
-__global__ void minmax_partial_kernel(const T* __restrict__ x, int64_t n, MinMax* __restrict__ partial) {
+template <typename In>
+__global__ void minmax_partial_kernel(In in, int64_t n, MinMax* __restrict__ partial) {
   MinMax m{INFINITY, -INFINITY};
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float v = to_float(x[i]);
+    const float v = in(i);
     m.lo = nan_min(m.lo, v);
     m.hi = nan_max(m.hi, v);
   }
@@ -80,15 +109,23 @@ struct Grid {
   }
 };
 
-template <typename T>
-__global__ void minmax_quantize_kernel(const T* __restrict__ x, int64_t n, uint8_t* __restrict__ wire) {
+// With x_out (error feedback): x_out = v and r_out = v - the decoded value, in the same pass.
+template <typename In>
+__global__ void minmax_quantize_kernel(In in, int64_t n, uint8_t* __restrict__ wire, float* x_out, float* r_out) {
   const Grid g(wire);
   uint8_t* __restrict__ q = wire + 8;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    float v = __fadd_rn(__fmul_rn(__fsub_rn(to_float(x[i]), g.origin), g.scale), g.zero);
+    const float x = in(i);
+    float v = __fadd_rn(__fmul_rn(__fsub_rn(x, g.origin), g.scale), g.zero);
     v = v < 0.f ? 0.f : v;
     v = v > 255.f ? 255.f : v;
-    q[i] = static_cast<uint8_t>(static_cast<int32_t>(rintf(v)));
+    const uint8_t code = static_cast<uint8_t>(static_cast<int32_t>(rintf(v)));
+    q[i] = code;
+    if (x_out != nullptr) {
+      const float decoded = __fadd_rn(g.origin, __fmul_rn(__fsub_rn(static_cast<float>(code), g.zero), g.step));
+      r_out[i] = __fsub_rn(x, decoded);
+      x_out[i] = x;
+    }
   }
 }
 
@@ -107,32 +144,28 @@ __global__ void minmax_decode_kernel(const uint8_t* __restrict__ wire, T* __rest
 
 // Element i's bit: x >= 0 for float32; !(x < 0) for float16/bfloat16 -- what the CPU loops test (they
 // differ only for NaN, whose scale is not finite anyway).
-template <typename T>
-__device__ __forceinline__ bool sign_bit(T v) {
-  return !(to_float(v) < 0.f);
-}
-template <>
-__device__ __forceinline__ bool sign_bit<float>(float v) {
-  return v >= 0.f;
+template <bool kFloat>
+__device__ __forceinline__ bool sign_bit(float v) {
+  return kFloat ? v >= 0.f : !(v < 0.f);
 }
 
 // Block b covers elements [kSignBlock * b, kSignBlock * (b + 1)) with kSignBlock / 2 threads: thread t sums
 // elements t and t + kSignBlock / 2 in double, then the block halves its sums (s[t] += s[t + h]) -- the
 // summation tree sign_sum.h defines, so that the CPU gets the same double. The bits: one ballot per warp
 // and half gives 32 consecutive elements, i.e. 4 whole bytes of the wire.
-template <typename T>
-__global__ void __launch_bounds__(kSignBlock / 2) sign_bits_kernel(const T* __restrict__ x, int64_t n,
-                                                                   uint8_t* __restrict__ bits, double* __restrict__ partial) {
+template <typename In>
+__global__ void __launch_bounds__(kSignBlock / 2) sign_bits_kernel(In in, int64_t n, uint8_t* __restrict__ bits,
+                                                                   double* __restrict__ partial) {
   constexpr int kHalf = kSignBlock / 2;
   __shared__ double s[kHalf];
   const int t = threadIdx.x;
   const int64_t base = int64_t(blockIdx.x) * kSignBlock;
   const int64_t i0 = base + t, i1 = base + kHalf + t;
   const bool in0 = i0 < n, in1 = i1 < n;
-  const T v0 = in0 ? x[i0] : T(0), v1 = in1 ? x[i1] : T(0);
-  s[t] = __dadd_rn(in0 ? double(fabsf(to_float(v0))) : 0.0, in1 ? double(fabsf(to_float(v1))) : 0.0);
-  const uint32_t m0 = __ballot_sync(0xffffffffu, in0 && sign_bit(v0));
-  const uint32_t m1 = __ballot_sync(0xffffffffu, in1 && sign_bit(v1));
+  const float v0 = in0 ? in(i0) : 0.f, v1 = in1 ? in(i1) : 0.f;
+  s[t] = __dadd_rn(in0 ? double(fabsf(v0)) : 0.0, in1 ? double(fabsf(v1)) : 0.0);
+  const uint32_t m0 = __ballot_sync(0xffffffffu, in0 && sign_bit<In::kFloat>(v0));
+  const uint32_t m1 = __ballot_sync(0xffffffffu, in1 && sign_bit<In::kFloat>(v1));
   if ((t & 31) == 0) {
     const int64_t nbytes = (n + 7) / 8;
     const int64_t b0 = (base + t) / 8, b1 = (base + kHalf + t) / 8;
@@ -160,6 +193,16 @@ __global__ void sign_scale_kernel(double* __restrict__ partial, int64_t blocks, 
     __syncthreads();
   }
   if (threadIdx.x == 0) store_f32_bytes(wire, static_cast<float>(__ddiv_rn(partial[0], double(n))));
+}
+
+// error feedback's second pass: x = v = x + r, r = v - (+-scale)
+__global__ void sign_residual_kernel(float* x, float* r, const uint8_t* __restrict__ wire, int64_t n) {
+  const float scale = load_f32_bytes(wire);
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = __fadd_rn(x[i], r[i]);
+    r[i] = __fsub_rn(v, v >= 0.f ? scale : -scale);
+    x[i] = v;
+  }
 }
 
 template <typename T>
@@ -269,13 +312,49 @@ void minmax_encode(const at::Tensor& x, at::Tensor& wire) {
   auto partial = at::empty({blocks * int64_t(sizeof(MinMax))}, wire.options());
   MinMax* p = reinterpret_cast<MinMax*>(partial.data_ptr<uint8_t>());
   BL_CUDA_FLOAT_TYPES(x.scalar_type(), "minmax_encode", [&] {
-    minmax_partial_kernel<<<blocks, kThreads, 0, stream()>>>(x.const_data_ptr<scalar_t>(), n, p);
+    const Plain<scalar_t> in{x.const_data_ptr<scalar_t>()};
+    minmax_partial_kernel<<<blocks, kThreads, 0, stream()>>>(in, n, p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     minmax_header_kernel<<<1, kThreads, 0, stream()>>>(p, blocks, w);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    minmax_quantize_kernel<<<grid_for(n), kThreads, 0, stream()>>>(x.const_data_ptr<scalar_t>(), n, w);
+    minmax_quantize_kernel<<<grid_for(n), kThreads, 0, stream()>>>(in, n, w, nullptr, nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+void minmax_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire) {
+  const int64_t n = x.numel();
+  if (n == 0) {
+    wire.narrow(0, 0, 8).zero_();
+    return;
+  }
+  uint8_t* w = wire.data_ptr<uint8_t>();
+  const int blocks = grid_for(n);
+  auto partial = at::empty({blocks * int64_t(sizeof(MinMax))}, wire.options());
+  MinMax* p = reinterpret_cast<MinMax*>(partial.data_ptr<uint8_t>());
+  float* px = x.data_ptr<float>();
+  float* pr = residual.data_ptr<float>();
+  const PlusResidual in{px, pr};
+  minmax_partial_kernel<<<blocks, kThreads, 0, stream()>>>(in, n, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  minmax_header_kernel<<<1, kThreads, 0, stream()>>>(p, blocks, w);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  minmax_quantize_kernel<<<grid_for(n), kThreads, 0, stream()>>>(in, n, w, px, pr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void half_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire, bool bf16) {
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  void* w = wire.data_ptr();
+  if (bf16) {
+    half_encode_ef_kernel<<<grid_for(n), kThreads, 0, stream()>>>(x.data_ptr<float>(), residual.data_ptr<float>(),
+                                                                  static_cast<at::BFloat16*>(w), n);
+  } else {
+    half_encode_ef_kernel<<<grid_for(n), kThreads, 0, stream()>>>(x.data_ptr<float>(), residual.data_ptr<float>(),
+                                                                  static_cast<at::Half*>(w), n);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void minmax_decode(const at::Tensor& wire, at::Tensor& out, bool accumulate) {
@@ -298,11 +377,30 @@ void sign_encode(const at::Tensor& x, at::Tensor& wire) {
   const int64_t blocks = (n + kSignBlock - 1) / kSignBlock;
   auto partial = at::empty({blocks}, x.options().dtype(at::kDouble));
   BL_CUDA_FLOAT_TYPES(x.scalar_type(), "sign_encode", [&] {
-    sign_bits_kernel<<<blocks, kSignBlock / 2, 0, stream()>>>(x.const_data_ptr<scalar_t>(), n, w + 4,
+    sign_bits_kernel<<<blocks, kSignBlock / 2, 0, stream()>>>(Plain<scalar_t>{x.const_data_ptr<scalar_t>()}, n, w + 4,
                                                               partial.data_ptr<double>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   sign_scale_kernel<<<1, 1024, 0, stream()>>>(partial.data_ptr<double>(), blocks, n, w);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void sign_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire) {
+  const int64_t n = x.numel();
+  uint8_t* w = wire.data_ptr<uint8_t>();
+  if (n == 0) {
+    wire.narrow(0, 0, 4).zero_();
+    return;
+  }
+  const int64_t blocks = (n + kSignBlock - 1) / kSignBlock;
+  auto partial = at::empty({blocks}, x.options().dtype(at::kDouble));
+  float* px = x.data_ptr<float>();
+  float* pr = residual.data_ptr<float>();
+  sign_bits_kernel<<<blocks, kSignBlock / 2, 0, stream()>>>(PlusResidual{px, pr}, n, w + 4, partial.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sign_scale_kernel<<<1, 1024, 0, stream()>>>(partial.data_ptr<double>(), blocks, n, w);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  sign_residual_kernel<<<grid_for(n), kThreads, 0, stream()>>>(px, pr, w, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
