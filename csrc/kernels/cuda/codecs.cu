@@ -301,22 +301,28 @@ void half_decode(const at::Tensor& wire, at::Tensor& out, bool bf16, bool accumu
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// minmax_uint8's header of what `in` reads: block partials, then one block writes [min][max] into the wire
+template <typename In>
+void minmax_header(In in, int64_t n, uint8_t* w, const at::TensorOptions& options) {
+  const int blocks = grid_for(n);
+  auto partial = at::empty({blocks * int64_t(sizeof(MinMax))}, options.dtype(at::kByte));
+  MinMax* p = reinterpret_cast<MinMax*>(partial.data_ptr<uint8_t>());
+  minmax_partial_kernel<<<blocks, kThreads, 0, stream()>>>(in, n, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  minmax_header_kernel<<<1, kThreads, 0, stream()>>>(p, blocks, w);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void minmax_encode(const at::Tensor& x, at::Tensor& wire) {
   const int64_t n = x.numel();
-  uint8_t* w = wire.data_ptr<uint8_t>();
   if (n == 0) {  // the CPU codec's header for no values: [0, 0]
     wire.narrow(0, 0, 8).zero_();
     return;
   }
-  const int blocks = grid_for(n);
-  auto partial = at::empty({blocks * int64_t(sizeof(MinMax))}, wire.options());
-  MinMax* p = reinterpret_cast<MinMax*>(partial.data_ptr<uint8_t>());
+  uint8_t* w = wire.data_ptr<uint8_t>();
   BL_CUDA_FLOAT_TYPES(x.scalar_type(), "minmax_encode", [&] {
     const Plain<scalar_t> in{x.const_data_ptr<scalar_t>()};
-    minmax_partial_kernel<<<blocks, kThreads, 0, stream()>>>(in, n, p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    minmax_header_kernel<<<1, kThreads, 0, stream()>>>(p, blocks, w);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    minmax_header(in, n, w, x.options());
     minmax_quantize_kernel<<<grid_for(n), kThreads, 0, stream()>>>(in, n, w, nullptr, nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -329,16 +335,10 @@ void minmax_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire) {
     return;
   }
   uint8_t* w = wire.data_ptr<uint8_t>();
-  const int blocks = grid_for(n);
-  auto partial = at::empty({blocks * int64_t(sizeof(MinMax))}, wire.options());
-  MinMax* p = reinterpret_cast<MinMax*>(partial.data_ptr<uint8_t>());
   float* px = x.data_ptr<float>();
   float* pr = residual.data_ptr<float>();
   const PlusResidual in{px, pr};
-  minmax_partial_kernel<<<blocks, kThreads, 0, stream()>>>(in, n, p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  minmax_header_kernel<<<1, kThreads, 0, stream()>>>(p, blocks, w);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  minmax_header(in, n, w, x.options());
   minmax_quantize_kernel<<<grid_for(n), kThreads, 0, stream()>>>(in, n, w, px, pr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -367,40 +367,38 @@ void minmax_decode(const at::Tensor& wire, at::Tensor& out, bool accumulate) {
   });
 }
 
-void sign_encode(const at::Tensor& x, at::Tensor& wire) {
-  const int64_t n = x.numel();
-  uint8_t* w = wire.data_ptr<uint8_t>();
-  if (n == 0) {
-    wire.narrow(0, 0, 4).zero_();
-    return;
-  }
+// sign's bits and scale of what `in` reads (n > 0), into the wire
+template <typename In>
+void sign_bits_and_scale(In in, int64_t n, uint8_t* w, const at::TensorOptions& options) {
   const int64_t blocks = (n + kSignBlock - 1) / kSignBlock;
-  auto partial = at::empty({blocks}, x.options().dtype(at::kDouble));
-  BL_CUDA_FLOAT_TYPES(x.scalar_type(), "sign_encode", [&] {
-    sign_bits_kernel<<<blocks, kSignBlock / 2, 0, stream()>>>(Plain<scalar_t>{x.const_data_ptr<scalar_t>()}, n, w + 4,
-                                                              partial.data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  auto partial = at::empty({blocks}, options.dtype(at::kDouble));
+  sign_bits_kernel<<<blocks, kSignBlock / 2, 0, stream()>>>(in, n, w + 4, partial.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   sign_scale_kernel<<<1, 1024, 0, stream()>>>(partial.data_ptr<double>(), blocks, n, w);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void sign_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire) {
+void sign_encode(const at::Tensor& x, at::Tensor& wire) {
   const int64_t n = x.numel();
-  uint8_t* w = wire.data_ptr<uint8_t>();
   if (n == 0) {
     wire.narrow(0, 0, 4).zero_();
     return;
   }
-  const int64_t blocks = (n + kSignBlock - 1) / kSignBlock;
-  auto partial = at::empty({blocks}, x.options().dtype(at::kDouble));
+  BL_CUDA_FLOAT_TYPES(x.scalar_type(), "sign_encode", [&] {
+    sign_bits_and_scale(Plain<scalar_t>{x.const_data_ptr<scalar_t>()}, n, wire.data_ptr<uint8_t>(), x.options());
+  });
+}
+
+void sign_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire) {
+  const int64_t n = x.numel();
+  if (n == 0) {
+    wire.narrow(0, 0, 4).zero_();
+    return;
+  }
   float* px = x.data_ptr<float>();
   float* pr = residual.data_ptr<float>();
-  sign_bits_kernel<<<blocks, kSignBlock / 2, 0, stream()>>>(PlusResidual{px, pr}, n, w + 4, partial.data_ptr<double>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  sign_scale_kernel<<<1, 1024, 0, stream()>>>(partial.data_ptr<double>(), blocks, n, w);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  sign_residual_kernel<<<grid_for(n), kThreads, 0, stream()>>>(px, pr, w, n);
+  sign_bits_and_scale(PlusResidual{px, pr}, n, wire.data_ptr<uint8_t>(), x.options());
+  sign_residual_kernel<<<grid_for(n), kThreads, 0, stream()>>>(px, pr, wire.data_ptr<uint8_t>(), n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
