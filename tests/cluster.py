@@ -23,6 +23,7 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    made = set()
     while True:
         try:
             task = tasks.get()  # unpickling imports fn's module, which may itself fail
@@ -31,14 +32,14 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results):
             continue
         if task is None:
             break
+        _destroy(made)
         fn, args = task
         before = _groups()
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
-            continue  # the parent tears a failed cluster down
-        _drop_groups_made_since(before)
+        made = _groups() - before
     dist.destroy_process_group()
 
 
@@ -47,26 +48,22 @@ def _groups():
     return set(dist.distributed_c10d._world.pg_map)
 
 
-def _drop_groups_made_since(before):
-    """Destroys the process groups a task made (its algorithms' groups, their control groups). A cluster
-    serves hundreds of tasks, and each gloo group it keeps holds threads that wake up all the time: left
-    alone, they took a third of a core per idle rank and slowed every later test. After a barrier, so no
-    peer is still inside a collective on them; a task that left the default group unusable is left as it
-    is (its cluster fails its next task and is replaced)."""
+def _destroy(groups):
+    """Destroys the process groups the previous task made (its algorithms' groups, their control groups),
+    when the next one arrives: every rank has finished it then (run() hands out a task only after every
+    rank's result), so no peer is inside a collective on them. A cluster serves hundreds of tasks, and each
+    gloo group it keeps holds threads that wake up all the time: left alone, they took a third of a core
+    per idle rank and slowed every later test."""
     import torch.distributed as dist
     from bagua_lite import _control
-    try:
-        made = [g for g in _groups() - before if g is not dist.group.WORLD]
-        if not made:
-            return
-        dist.barrier()
-        for g in made:
+    for g in groups:
+        try:
             dist.destroy_process_group(g)
-        for key, (data, side) in list(_control._side.items()):
-            if data in made or side in made:
-                del _control._side[key]
-    except Exception:  # noqa: BLE001
-        pass
+        except Exception:  # noqa: BLE001 - already destroyed by the task itself
+            pass
+    for key, (data, side) in list(_control._side.items()):
+        if data in groups or side in groups:
+            del _control._side[key]
 
 
 class RemoteError(RuntimeError):
