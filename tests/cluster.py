@@ -23,7 +23,6 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    made = set()
     while True:
         try:
             task = tasks.get()  # unpickling imports fn's module, which may itself fail
@@ -32,38 +31,12 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results):
             continue
         if task is None:
             break
-        _destroy(made)
         fn, args = task
-        before = _groups()
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
-        made = _groups() - before
     dist.destroy_process_group()
-
-
-def _groups():
-    import torch.distributed as dist
-    return set(dist.distributed_c10d._world.pg_map)
-
-
-def _destroy(groups):
-    """Destroys the process groups the previous task made (its algorithms' groups, their control groups),
-    when the next one arrives: every rank has finished it then (run() hands out a task only after every
-    rank's result), so no peer is inside a collective on them. A cluster serves hundreds of tasks, and each
-    gloo group it keeps holds threads that wake up all the time: left alone, they took a third of a core
-    per idle rank and slowed every later test."""
-    import torch.distributed as dist
-    from bagua_lite import _control
-    for g in groups:
-        try:
-            dist.destroy_process_group(g)
-        except Exception:  # noqa: BLE001 - already destroyed by the task itself
-            pass
-    for key, (data, side) in list(_control._side.items()):
-        if data in groups or side in groups:
-            del _control._side[key]
 
 
 class RemoteError(RuntimeError):
