@@ -2,7 +2,8 @@
 # The GPU check in one go: builds the extension against this machine's torch, then runs tests/gpu/ (every
 # kernel and codec against its CPU version; every algorithm under NCCL at P = 1 and over gloo with CUDA
 # tensors at P = 2 and 3, against its own CPU run) and prints one table: what x backend x P, ok, the largest
-# difference, whether a repeat was bit-identical; then the kernel benchmark (python -m bagua_lite.bench.kernels).
+# difference, whether a repeat was bit-identical; then the kernel benchmark (python -m bagua_lite.bench.kernels) and the step
+# cost at P = 1 against the plain loop and DDP (python -m bagua_lite.bench.gpu_step).
 # The tables and the logs go to $OUT (default gpu_check_out/).
 #
 #   bash scripts/gpu_check.sh                  on a machine with a CUDA device
@@ -46,5 +47,9 @@ BAGUA_LITE_GPU_CHECK=$device OUT=$OUT "$PY" -m pytest -q -p no:cacheprovider tes
 if [ "$device" = cuda ]; then sizes=25000000,100000000; else sizes=1000000; fi
 timeout 300 "$PY" -m bagua_lite.bench.kernels --device "$device" --sizes "$sizes" --json "$OUT/kernels.json" \
   2>&1 | tee "$OUT/kernels.txt" || rc=$?
+# our own cost in a step at P = 1 against the plain loop and DDP (python -m bagua_lite.bench.gpu_step)
+if [ "$device" = cuda ]; then step_args=""; else step_args="--small --steps 3 --warmup 1"; fi
+timeout 300 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --json "$OUT/step.json" \
+  2>&1 | tee "$OUT/step.txt" || rc=$?
 echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); table: $OUT/gpu_check.md" | tee -a "$OUT/pytest.log"
 exit $rc
