@@ -13,6 +13,7 @@ reports them on the training thread (the engine's own thread is not seen), and t
 assertion on time.
 """
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -121,9 +122,6 @@ def measure(row, dev, args):
            "params": count_parameters(net)}
     if closing is not None:
         closing.close()
-    del model, net, opt
-    if cuda:
-        torch.cuda.empty_cache()
     return out
 
 
@@ -155,10 +153,13 @@ def main(argv=None):
             results.append(measure(row, dev, args))
         except Exception as e:  # noqa: BLE001 - a row of the table, not the end of the run
             results.append({"row": row, "error": f"{type(e).__name__}: {e}"[:200]})
+        gc.collect()  # the row's model and optimizer, before the next row's peak memory is counted
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         r = results[-1]
         print(r, flush=True)
     ref = {r["row"]: r["ms"] for r in results if "ms" in r}
-    print(f"\n| row | ms/step | host ms | x plain | x DDP | syncs/step | peak GiB |\n|---|---|---|---|---|---|---|")
+    print("\n| row | ms/step | host ms | x plain | x DDP | syncs/step | peak GiB |\n|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
             print(f"| {r['row']} | {r['error']} | | | | | |")
