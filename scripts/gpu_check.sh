@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check in one go: builds the extension against this machine's torch, then runs tests/gpu/ (every
 # kernel and codec against its CPU version; every algorithm under NCCL at P = 1 and over gloo with CUDA
-# tensors at P = 2 and 3, against its own CPU run) and prints one table: what x backend x P, ok, the largest
+# tensors at P = 2 and 3, against its own CPU run) and prints two tables (kernels, algorithms): what x backend x P, ok, the largest
 # difference, whether a repeat was bit-identical; then the kernel benchmark (python -m bagua_lite.bench.kernels) and the step
 # cost at P = 1 against the plain loop and DDP (python -m bagua_lite.bench.gpu_step).
 # The tables and the logs go to $OUT (default gpu_check_out/).
 #
 #   bash scripts/gpu_check.sh                  on a machine with a CUDA device
 #   bash scripts/gpu_check.sh --cpu            without one: the CPU stands in for the device (checks the harness)
+#   BAGUA_LITE_GPU_BENCH=0 bash scripts/gpu_check.sh    the build and the tests, no benchmarks
 #   bash scripts/gpu_check.sh --fetch-wheels   with network: wheels of what the suite needs beyond torch
 #                                              (pytest, numpy, pyyaml, ninja) for Python 3.12 into
 #                                              build/gpu_wheels/, for a GPU machine without network
@@ -42,7 +43,15 @@ MAX_JOBS=${MAX_JOBS:-$(nproc)} "$PY" -m pip install --quiet --no-build-isolation
   || { tail -30 "$OUT/build.log"; exit 1; }
 echo "gpu_check: built in $(( $(date +%s) - start )) s"
 rc=0
-BAGUA_LITE_GPU_CHECK=$device OUT=$OUT "$PY" -m pytest -q -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log" || rc=$?
+# the kernels first, in a session of their own: a rank that hangs in an algorithm run cannot cost their table
+BAGUA_LITE_GPU_CHECK=$device BAGUA_LITE_GPU_TABLE=gpu_check_kernels OUT=$OUT "$PY" -m pytest -q -p no:cacheprovider \
+  tests/gpu/test_gpu_kernels.py "$@" 2>&1 | tee "$OUT/pytest_kernels.log" || rc=$?
+BAGUA_LITE_GPU_CHECK=$device BAGUA_LITE_GPU_TABLE=gpu_check_algorithms OUT=$OUT "$PY" -m pytest -q -p no:cacheprovider \
+  tests/gpu --ignore=tests/gpu/test_gpu_kernels.py "$@" 2>&1 | tee "$OUT/pytest.log" || rc=$?
+if [ "${BAGUA_LITE_GPU_BENCH:-1}" = 0 ]; then  # the tests alone
+  echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device; no benchmarks)" | tee -a "$OUT/pytest.log"
+  exit $rc
+fi
 # the kernel table (ms, GB/s, x the floor, torch in the same run); small sizes when the CPU stands in
 if [ "$device" = cuda ]; then sizes=25000000,100000000; else sizes=1000000; fi
 timeout 300 "$PY" -m bagua_lite.bench.kernels --device "$device" --sizes "$sizes" --json "$OUT/kernels.json" \
@@ -51,5 +60,5 @@ timeout 300 "$PY" -m bagua_lite.bench.kernels --device "$device" --sizes "$sizes
 if [ "$device" = cuda ]; then step_args=""; else step_args="--small --steps 3 --warmup 1"; fi
 timeout 300 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --json "$OUT/step.json" \
   2>&1 | tee "$OUT/step.txt" || rc=$?
-echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); table: $OUT/gpu_check.md" | tee -a "$OUT/pytest.log"
+echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); tables: $OUT/gpu_check_kernels.md, $OUT/gpu_check_algorithms.md" | tee -a "$OUT/pytest.log"
 exit $rc

@@ -9,10 +9,12 @@ into buckets, codecs, selection, the engine's handoff. The reference model is a 
 for qadam). Per row: the median ms of a step (from before forward to the device being idle), the median
 ms until the host is back from ``optimizer.step()`` (close to the step's time when the host waits for the
 device inside a step), the host synchronisations one step makes as ``torch.cuda.set_sync_debug_mode("warn")``
-reports them on the training thread (the engine's own thread is not seen), and the peak memory. No
+reports them on the training thread (the engine's own thread is not seen) with the Python lines that made
+them, and the peak memory. No
 assertion on time.
 """
 import argparse
+import collections
 import gc
 import json
 import os
@@ -104,7 +106,7 @@ def measure(row, dev, args):
         sync()
         full.append((time.perf_counter() - t0) * 1e3)
         host.append((t1 - t0) * 1e3)
-    syncs = []
+    syncs, where = [], collections.Counter()
     if cuda:
         for _ in range(2):  # two steps: a period's local and a sync step can differ; the larger is reported
             with warnings.catch_warnings(record=True) as caught:
@@ -114,10 +116,12 @@ def measure(row, dev, args):
                     step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+            hits = [w for w in caught if "synchroniz" in str(w.message)]
+            syncs.append(len(hits))
+            where.update(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in hits)
         sync()
     out = {"row": row, "ms": statistics.median(full), "host_ms": statistics.median(host),
-           "syncs": max(syncs) if syncs else None, "loss": float(loss),
+           "syncs": max(syncs) if syncs else None, "sync_sites": where.most_common(4), "loss": float(loss),
            "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "params": count_parameters(net)}
     if closing is not None:

@@ -131,6 +131,30 @@ def print_table(rows, device):
           f"CUDA kernels: {K.cuda_kernels_enabled()}; floor = bytes / the copy's bandwidth; medians")
 
 
+def profile(device, n, densities):
+    """Where the time of one call goes: each kernel it launches, by the profiler's device time."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    calls = [(f"topk density {d}", lambda d=d: K.topk(x, max(1, int(n * d)))) for d in densities]
+    for name in ("minmax_uint8", "sign", "topk3_absmax2"):
+        comp = compressors.get_compressor(name)
+        wire = torch.empty(comp.wire_bytes(n), dtype=torch.uint8, device=device)
+        calls.append((f"{name} encode", lambda comp=comp, wire=wire: comp.compress(x, wire)))
+        calls.append((f"{name} decode+add", lambda comp=comp, wire=wire: comp.decompress(wire, x, accumulate=True)))
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    for label, fn in calls:
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        with torch_profile(activities=[activity]) as prof:
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        print(f"\n{label} at n = {n:,}:")
+        key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=60))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda")
@@ -140,6 +164,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=21)
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print each device kernel's time inside one top-k and one codec call (torch.profiler)")
     args = ap.parse_args(argv)
     name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
     if name not in ("cpu", "cuda"):
@@ -157,6 +183,8 @@ def main(argv=None):
         ap.error(f"sizes must be >= 1 and densities in (0, 1], got {bad}")
     rows = run(device, sizes, densities, args.repeats)
     print_table(rows, device)
+    if args.profile:
+        profile(device, sizes[0], densities)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

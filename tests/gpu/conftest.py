@@ -6,7 +6,8 @@ CUDA device; ``BAGUA_LITE_GPU_CHECK=cpu`` runs the same suite with the CPU stand
 the harness itself is checked on a machine without a GPU (every difference is then 0).
 
 Each test adds rows to one table (``record``), printed at the end of the session and written as
-``gpu_check.md`` and ``gpu_check.json`` under ``$OUT`` (or the working directory).
+``<stem>.md`` and ``<stem>.json`` under ``$OUT`` (or the working directory); the stem is
+``BAGUA_LITE_GPU_TABLE`` (default ``gpu_check``).
 """
 import json
 import os
@@ -49,7 +50,8 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line("")
     terminalreporter.write_line(text)
     out = os.environ.get("OUT") or os.getcwd()
-    with open(os.path.join(out, "gpu_check.md"), "w") as f:
+    stem = os.environ.get("BAGUA_LITE_GPU_TABLE", "gpu_check")
+    with open(os.path.join(out, stem + ".md"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(out, "gpu_check.json"), "w") as f:
+    with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump(ROWS, f, indent=1)

@@ -19,7 +19,8 @@ def device():
 def spawn_ranks(worker, P, args, timeout=240):
     """Start ``P`` spawned processes running ``worker(rank, P, *args, store_path, results)`` (each joins a
     process group through the file store at ``store_path`` and puts ``(rank, out)`` on ``results``), and
-    collect them: ``({rank: out}, exit codes)``; a rank silent for ``timeout`` seconds is killed."""
+    collect them: ``({rank: out}, exit codes)``; when a rank dies without a result, or none is heard from for
+    ``timeout`` seconds, the rest are killed."""
     ctx = mp.get_context("spawn")
     fd, store = tempfile.mkstemp(prefix="bagua_lite_gpu_")
     os.close(fd)
@@ -30,12 +31,17 @@ def spawn_ranks(worker, P, args, timeout=240):
         p.start()
     got = {}
     try:
-        while len(got) < P:
+        silent = 0.0
+        while len(got) < P and silent < timeout:
             try:
-                rank, out = results.get(timeout=timeout)
-                got[rank] = out
+                rank, out = results.get(timeout=1.0)
+                got[rank], silent = out, 0.0
             except queue.Empty:
-                break
+                silent += 1.0
+                # a rank that died without a result (an abort in a collective) leaves its peers waiting on
+                # it until their group's timeout, per algorithm: stop now and report the exit codes
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
     finally:
         for p in procs:
             p.join(5)
