@@ -43,6 +43,9 @@ void sign_encode_ef(at::Tensor& x, at::Tensor& residual, at::Tensor& wire);
 void absmax_encode(const at::Tensor& x, at::Tensor& header, at::Tensor& codes, int64_t bits);
 void absmax_decode(const at::Tensor& header, const at::Tensor& codes, at::Tensor& out, int64_t bits,
                    bool accumulate);
+// dense[indices[j]] += values[j] in order of j, as the CPU kernel (any floating dtypes): duplicates summed in
+// that order, bit for bit. An index outside [0, dense.numel()) is skipped (it cannot be raised unread).
+void scatter_add(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
 #endif
 
 }  // namespace cuda

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "common.h"
+#include "kernels/cuda.h"
 
 namespace bagua_lite {
 namespace kernels {
@@ -104,7 +105,8 @@ BL_INSTANTIATE(at::Half)
 BL_INSTANTIATE(at::BFloat16)
 #undef BL_INSTANTIATE
 
-void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn) {
+void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn,
+                       bool contents) {
   check_floating(values, fn, "values");
   check_int32(indices, fn, "indices");
   check_contiguous(values, fn, "values");
@@ -117,7 +119,7 @@ void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int6
            indices.device());
   // Indices are never negative (gtopk_allreduce's wire format uses -1 as its end marker); numel < 0 means
   // "no upper bound known here".
-  if (indices.numel() > 0) {
+  if (contents && indices.numel() > 0) {
     auto idx = indices.device().is_cpu() ? indices : indices.cpu();
     const int32_t* p = idx.const_data_ptr<int32_t>();
     for (int64_t j = 0; j < idx.numel(); ++j) {
@@ -181,11 +183,23 @@ std::tuple<at::Tensor, at::Tensor> merge_topk(const at::Tensor& av, const at::Te
 void scatter_add_(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
   check_contiguous(dense, "scatter_add_", "dense");
   check_floating(dense, "scatter_add_", "dense");
+  BL_CHECK(dense.device() == values.device(), "scatter_add_: `dense` is on ", dense.device(), " but `values` is on ",
+           values.device());
+#ifdef BAGUA_LITE_WITH_CUDA
+  if (dense.is_cuda() && cuda::enabled()) {
+    // the indices' range is not read back (that would wait for the device): the kernel skips a bad one
+    check_sparse_args(values, indices, dense.numel(), "scatter_add_", /*contents=*/false);
+    cuda::scatter_add(dense, values, indices);
+    return;
+  }
+#endif
   check_sparse_args(values, indices, dense.numel(), "scatter_add_");
   if (!dense.device().is_cpu()) {
-    // index_add_ on CUDA is not deterministic in order; scatter results may differ in the last bit
-    // between runs but every rank runs the same kernel on the same data.
-    dense.view(-1).index_add_(0, indices, values.to(dense.scalar_type()));
+    // Without the CUDA kernels (BAGUA_LITE_CUDA_KERNELS=0): the CPU loop on host copies, for the same order
+    // of j (index_add_ sums duplicate indices with atomics, in no fixed order).
+    auto d = dense.cpu();
+    scatter_add_(d, values.cpu(), indices.cpu());
+    dense.copy_(d);
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add_", [&] {

@@ -72,7 +72,10 @@ void sparse_sgd_step_(const std::vector<at::Tensor>& params, const std::vector<i
                       const at::Tensor& flat, const at::Tensor& indices, const std::vector<double>& lrs);
 
 // Check values/indices form a valid sparse argument for a tensor of `numel` elements (clear errors).
-void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn);
+// contents = false: shapes, dtypes and devices only (the indices' range is left unread, so a device tensor is
+// not read back to the host).
+void check_sparse_args(const at::Tensor& values, const at::Tensor& indices, int64_t numel, const char* fn,
+                       bool contents = true);
 
 }  // namespace kernels
 }  // namespace bagua_lite

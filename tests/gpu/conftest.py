@@ -31,6 +31,7 @@ def record():
     def add(what, backend, P, ok, diff, repeat="", note=""):
         ROWS.append({"what": what, "backend": backend, "P": P, "ok": bool(ok), "max_diff": diff,
                      "repeat": repeat, "note": note})
+        _write()  # row by row: a session killed by a timeout still leaves what it measured
     return add
 
 
@@ -38,20 +39,25 @@ def _fmt(v):
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def pytest_terminal_summary(terminalreporter):
-    if not ROWS:
-        return
+def _table():
     head = ["what", "backend", "P", "ok", "max_diff", "repeat", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(_fmt(r[k]) for k in head) + " |" for r in ROWS]
     bad = sum(not r["ok"] for r in ROWS)
     lines.append(f"\n{len(ROWS) - bad} of {len(ROWS)} rows ok (device: {DEVICE})")
-    text = "\n".join(lines)
-    terminalreporter.write_line("")
-    terminalreporter.write_line(text)
+    return "\n".join(lines)
+
+
+def _write():
     out = os.environ.get("OUT") or os.getcwd()
     stem = os.environ.get("BAGUA_LITE_GPU_TABLE", "gpu_check")
     with open(os.path.join(out, stem + ".md"), "w") as f:
-        f.write(text + "\n")
+        f.write(_table() + "\n")
     with open(os.path.join(out, stem + ".json"), "w") as f:
         json.dump(ROWS, f, indent=1)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if ROWS:
+        terminalreporter.write_line("")
+        terminalreporter.write_line(_table())

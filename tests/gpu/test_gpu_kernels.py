@@ -122,8 +122,9 @@ def test_fused_error_feedback_equals_the_three_steps_on_the_cpu(dev, record, nam
 
 
 def test_kernels_never_wait_for_the_device(dev, record):
-    """A top-k or any built-in codec on CUDA tensors makes no device-to-host copy or synchronisation:
-    torch's sync debug mode raises at the first one (the ATen fallbacks it replaces read values back)."""
+    """A top-k, scatter_add_, ef_remove_ or any built-in codec on CUDA tensors makes no device-to-host copy or
+    synchronisation: torch's sync debug mode raises at the first one (the ATen fallbacks it replaces read
+    values back)."""
     if dev.type == "cpu":
         record("no host synchronisation", "-", 1, True, 0.0, note="not applicable on the CPU")
         return
@@ -143,6 +144,10 @@ def test_kernels_never_wait_for_the_device(dev, record):
                                              torch.empty(compressors.get_compressor(name).wire_bytes(x.numel()),
                                                          dtype=torch.uint8, device=dev))
             calls += 1
+        idx = torch.randint(0, x.numel(), (3000,), device=dev, dtype=torch.int32)
+        K.scatter_add_(out, x[:3000], idx)
+        K.ef_remove_(out, idx)
+        calls += 2
         for comp, wire in zip(comps, wires):
             comp.compress(x, wire)
             comp.decompress(wire, out, accumulate=False)
@@ -179,28 +184,33 @@ def test_codec_wire_bytes_and_decode(dev, record, name):
 
 
 def test_sparse_kernels(dev, record):
-    ok, g = True, torch.Generator().manual_seed(3)
+    """merge_topk, sparse_normalize, scatter_add_ (duplicate indices summed in order of j, as on the CPU) and
+    ef_remove_ on the device against the CPU, one row each."""
+    ok = {"merge_topk": True, "sparse_normalize": True, "scatter_add_": True, "ef_remove_": True}
+    g = torch.Generator().manual_seed(3)
     for n in SIZES[2:]:
         k = max(1, n // 50)
         av, ai = K.topk(_x(n, 1), k)
         bv, bi = K.topk(_x(n, 2), k)
         merged_c = K.merge_topk(av, ai, bv, bi, k)
         merged_d = K.merge_topk(av.to(dev), ai.to(dev), bv.to(dev), bi.to(dev), k)
-        ok &= all(torch.equal(c, d.cpu()) for c, d in zip(merged_c, merged_d))
+        ok["merge_topk"] &= all(torch.equal(c, d.cpu()) for c, d in zip(merged_c, merged_d))
         idx = torch.randint(0, n, (3 * k,), generator=g, dtype=torch.int32)
         vals = _x(3 * k, 4)
         norm_c = K.sparse_normalize(vals, idx)
         norm_d = K.sparse_normalize(vals.to(dev), idx.to(dev))
-        ok &= all(torch.equal(c, d.cpu()) for c, d in zip(norm_c, norm_d))
-        dense_c, dense_d = _x(n, 5), _x(n, 5).to(dev)
-        K.scatter_add_(dense_c, vals, idx)
-        K.scatter_add_(dense_d, vals.to(dev), idx.to(dev))
-        ok &= torch.equal(dense_c, dense_d.cpu())
+        ok["sparse_normalize"] &= all(torch.equal(c, d.cpu()) for c, d in zip(norm_c, norm_d))
+        for dtype in (torch.float32, torch.bfloat16):
+            dense_c, dense_d = _x(n, 5).to(dtype), _x(n, 5).to(dtype).to(dev)
+            K.scatter_add_(dense_c, vals, idx)
+            K.scatter_add_(dense_d, vals.to(dev), idx.to(dev))
+            ok["scatter_add_"] &= torch.equal(dense_c, dense_d.cpu())
         K.ef_remove_(dense_c, ai)
         K.ef_remove_(dense_d, ai.to(dev))
-        ok &= torch.equal(dense_c, dense_d.cpu())
-    record("kernels merge_topk, sparse_normalize, scatter_add_, ef_remove_", "-", 1, ok, 0.0 if ok else float("nan"))
-    assert ok
+        ok["ef_remove_"] &= torch.equal(dense_c, dense_d.cpu())
+    for name, good in ok.items():
+        record(f"kernel {name}", "-", 1, good, 0.0 if good else float("nan"))
+    assert all(ok.values()), ok
 
 
 def test_a_kernel_without_a_device_path_raises_naming_it(dev, record):

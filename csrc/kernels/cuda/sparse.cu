@@ -1,0 +1,60 @@
+// scatter_add on the device, in the CPU kernel's order: dense[indices[j]] += values[j] for j = 0, 1, ...,
+// rounding to dense's dtype after every addition, so duplicate indices are summed exactly as the CPU sums
+// them. (index_add_ sums duplicates with atomics, in whatever order the threads arrive: a different last
+// bit from run to run and from rank to rank, which breaks the replicas' bit-for-bit equality.)
+//
+// A stable sort by index brings each index's values together, still in order of j; then the thread at the
+// start of each run adds the run's values one by one. Runs are short (an index appears once per rank's set),
+// and nothing is read back to the host.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+
+#include "kernels/cuda.h"
+#include "kernels/cuda/common.cuh"
+
+namespace bagua_lite {
+namespace kernels {
+namespace cuda {
+
+namespace {
+
+template <typename D, typename V>
+__global__ void add_runs(D* dense, int64_t numel, const V* values, const int32_t* sorted_idx, int64_t n) {
+  using acc_t = at::opmath_type<D>;
+  for (int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; t < n; t += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t i = sorted_idx[t];
+    if (t > 0 && sorted_idx[t - 1] == i) continue;  // not the start of its run
+    // Out of range: skipped rather than written out of bounds. The host cannot be told without waiting for
+    // the device; the indices reaching here come from this library's own top-k and wire formats.
+    if (i < 0 || i >= numel) continue;
+    D d = dense[i];
+    for (int64_t u = t; u < n && sorted_idx[u] == i; ++u) {
+      d = static_cast<D>(static_cast<acc_t>(d) + static_cast<acc_t>(values[u]));
+    }
+    dense[i] = d;
+  }
+}
+
+}  // namespace
+
+void scatter_add(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
+  const int64_t n = indices.numel();
+  if (n == 0) return;
+  // stable: equal indices keep their order of j
+  auto sorted = at::sort(indices, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor& sorted_idx = std::get<0>(sorted);
+  const at::Tensor sorted_values = values.index_select(0, std::get<1>(sorted));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dense.scalar_type(), "scatter_add_cuda", [&] {
+    using dense_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "scatter_add_cuda_v", [&] {
+      add_runs<dense_t, scalar_t><<<grid_for(n, 1), kThreads, 0, stream()>>>(
+          dense.data_ptr<dense_t>(), dense.numel(), sorted_values.const_data_ptr<scalar_t>(),
+          sorted_idx.const_data_ptr<int32_t>(), n);
+    });
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cuda
+}  // namespace kernels
+}  // namespace bagua_lite
