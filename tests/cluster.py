@@ -23,6 +23,7 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    made = set()
     while True:
         try:
             task = tasks.get()  # unpickling imports fn's module, which may itself fail
@@ -31,12 +32,61 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results):
             continue
         if task is None:
             break
+        _destroy(made)
         fn, args = task
+        before = _groups()
         try:
             results.put((rank, True, fn(rank, world_size, *args)))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             results.put((rank, False, traceback.format_exc()))
+        made = _groups() - before
     dist.destroy_process_group()
+
+
+def _groups():
+    import torch.distributed as dist
+    return set(dist.distributed_c10d._world.pg_map)
+
+
+def _destroy(groups):
+    """Destroys the process groups the previous task made (its algorithms' groups, their control groups,
+    its device meshes'), when the next one arrives: every rank has finished it then (run() hands out a task
+    only after every rank's result), so no peer is inside a collective on them. A cluster serves hundreds
+    of tasks, and each gloo group it keeps holds threads that wake up all the time: left alone, they took a
+    third of a core per idle rank and slowed every later test."""
+    if not groups:
+        return
+    import torch.distributed as dist
+    from bagua_lite import _control
+    for g in groups:
+        try:
+            dist.destroy_process_group(g)
+        except Exception:  # noqa: BLE001 - already destroyed by the task itself
+            pass
+    for key, (data, side) in list(_control._side.items()):
+        if data in groups or side in groups:
+            del _control._side[key]
+    _forget_meshes()
+
+
+def _forget_meshes():
+    """Forgets the meshes whose groups were destroyed. The benchmark keeps its meshes for its next cell, and
+    DTensor caches its sharding decisions by DeviceMesh, where two meshes of one shape and names compare
+    equal: the next task would be handed this task's mesh, whose groups are gone ("Could not resolve the
+    process group registered under the name ..."). Both are needed (either alone fails the HSDP tests)."""
+    import sys
+    cells = sys.modules.get("bagua_lite.bench.cells")
+    if cells is not None:
+        cells._MESHES.clear()  # the benchmark's meshes, one per shape for all the cells of a run
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    import torch
+    from torch.distributed.tensor import DTensor
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
 
 
 class RemoteError(RuntimeError):
