@@ -146,6 +146,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return kern::scale_checked(dst, src ? *src : at::Tensor(), scale);
         },
         py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, release());
+  m.def("scale_flagged_",
+        [](at::Tensor dst, std::optional<at::Tensor> src, double scale, at::Tensor flag) {
+          kern::scale_flagged_(dst, src ? *src : at::Tensor(), scale, flag);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("scale"), py::arg("flag"), release());
   m.def(
       "add_checked",
       [](at::Tensor out, const at::Tensor& a, const at::Tensor& b, std::optional<at::Tensor> block_max,

@@ -406,6 +406,31 @@ def test_checked_kernels_against_numpy(where, bad, dtype):
 
 
 @pytest.mark.parametrize("where", [None, 0, 65536, 200_000 - 1], ids=lambda w: f"bad@{w}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_scale_flagged_is_scale_checked_with_the_answer_in_a_flag(where, dtype):
+    """The check a GPU bucket leaves on the device: the slot exactly as scale_checked writes it, and the flag
+    set to 1 by a non-finite source, left alone (never cleared) by a finite one."""
+    from bagua_lite import _C
+    n = 200_000
+    src = _rand(n, 3).to(dtype)
+    if where is not None:
+        src[where] = float("nan")
+    want = torch.full_like(src, 7.0)
+    finite = _C.scale_checked(want, src, 0.25)
+    for start in (0, 1):
+        out, flag = torch.full_like(src, 7.0), torch.tensor([start], dtype=torch.int32)
+        _C.scale_flagged_(out, src, 0.25, flag)
+        assert torch.equal(out.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert flag.item() == (start if finite else 1)
+    out, flag = torch.full_like(src, 7.0), torch.zeros(1, dtype=torch.int32)
+    _C.scale_flagged_(out, None, 0.25, flag)  # no gradient: zeros, and nothing to flag
+    assert not out.any() and flag.item() == 0
+    with pytest.raises(Exception, match="flag.*int32"):
+        _C.scale_flagged_(out, src, 1.0, torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("where", [None, 0, 65536, 200_000 - 1], ids=lambda w: f"bad@{w}")
 @pytest.mark.parametrize("wd", [0.0, 0.01], ids=["no_decay", "decay"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_momentum_add_checked_against_numpy(where, wd, dtype):

@@ -46,6 +46,9 @@ void absmax_decode(const at::Tensor& header, const at::Tensor& codes, at::Tensor
 // dense[indices[j]] += values[j] in order of j, as the CPU kernel (any floating dtypes): duplicates summed in
 // that order, bit for bit. An index outside [0, dense.numel()) is skipped (it cannot be raised unread).
 void scatter_add(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
+// dst = src * scale (float32, contiguous; src may be dst) in one pass, and flag (one int32) = 1 if src held
+// inf/NaN (sparse.h's scale_flagged_).
+void scale_flagged(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag);
 #endif
 
 }  // namespace cuda

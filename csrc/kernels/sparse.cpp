@@ -296,6 +296,38 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
   return bad == 0;
 }
 
+void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag) {
+  BL_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.device() == dst.device(),
+           "scale_flagged_: `flag` must be one int32 on ", dst.device(), ", got ", flag.numel(), " ",
+           flag.scalar_type(), " on ", flag.device());
+  if (!src.defined()) {
+    dst.zero_();
+    return;
+  }
+  if (dst.is_cpu()) {
+    if (!scale_checked(dst, src, scale)) flag.fill_(1);
+    return;
+  }
+  BL_CHECK(dst.numel() == src.numel() && src.device() == dst.device(), "scale_flagged_: dst has ", dst.numel(),
+           " elements on ", dst.device(), ", src ", src.numel(), " on ", src.device());
+#ifdef BAGUA_LITE_WITH_CUDA
+  if (dst.is_cuda() && cuda::enabled() && dst.scalar_type() == at::kFloat && src.scalar_type() == at::kFloat &&
+      dst.is_contiguous() && src.is_contiguous()) {
+    cuda::scale_flagged(dst, src, scale, flag);
+    return;
+  }
+#endif
+  // Other dtypes or devices: ATen ops, in scale_checked's arithmetic, the answer folded into the flag there.
+  flag.copy_(at::maximum(flag, at::logical_not(at::isfinite(src).all()).to(at::kInt)));
+  if (src.data_ptr() == dst.data_ptr()) {
+    if (scale != 1.0) dst.mul_(scale);
+  } else if (scale != 1.0) {
+    at::mul_out(dst, src.view_as(dst), scale);
+  } else {
+    dst.copy_(src.view_as(dst));
+  }
+}
+
 namespace {
 // Block maxima (see sparse.h): block b of a bucket is its elements [64 b, 64 b + 64).
 BL_ALWAYS_INLINE uint32_t f32_bits(float v) {

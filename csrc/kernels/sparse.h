@@ -40,6 +40,10 @@ bool all_finite(const at::Tensor& x);
 // dst = src * scale in one pass (src may be dst itself; src undefined: dst = 0) and whether src was all
 // finite. Used where a gradient goes into its bucket slot anyway, so the check costs no extra pass.
 bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale);
+// scale_checked whose answer stays on dst's device: `flag` (one int32 on that device) is set to 1 if src held
+// inf/NaN and left as it is otherwise. Nothing is read back, so on a GPU the hook that calls it does not
+// wait for the device; the flag is read once per round, at the agreement.
+void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag);
 // Block maxima, for kernels::topk_out's block_max: an int32 tensor with one slot per 64 elements of a bucket
 // (slot b covers bucket positions [64 b, 64 b + 64)). Writers given one (block_max and block_offset, the
 // position of their output's first element in the bucket) max-combine the magnitude key of every element

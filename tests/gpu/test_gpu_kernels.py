@@ -122,7 +122,7 @@ def test_fused_error_feedback_equals_the_three_steps_on_the_cpu(dev, record, nam
 
 
 def test_kernels_never_wait_for_the_device(dev, record):
-    """A top-k, scatter_add_, ef_remove_ or any built-in codec on CUDA tensors makes no device-to-host copy or
+    """A top-k, scale_flagged_, scatter_add_, ef_remove_ or any built-in codec on CUDA tensors makes no device-to-host copy or
     synchronisation: torch's sync debug mode raises at the first one (the ATen fallbacks it replaces read
     values back)."""
     if dev.type == "cpu":
@@ -144,6 +144,8 @@ def test_kernels_never_wait_for_the_device(dev, record):
                                              torch.empty(compressors.get_compressor(name).wire_bytes(x.numel()),
                                                          dtype=torch.uint8, device=dev))
             calls += 1
+        _C.scale_flagged_(out, x, 0.5, torch.zeros(1, dtype=torch.int32, device=dev))
+        calls += 1
         idx = torch.randint(0, x.numel(), (3000,), device=dev, dtype=torch.int32)
         K.scatter_add_(out, x[:3000], idx)
         K.ef_remove_(out, idx)
@@ -211,6 +213,27 @@ def test_sparse_kernels(dev, record):
     for name, good in ok.items():
         record(f"kernel {name}", "-", 1, good, 0.0 if good else float("nan"))
     assert all(ok.values()), ok
+
+
+def test_scale_flagged_on_the_device(dev, record):
+    """The bucket fill whose non-finite answer stays on the device: slot bit for bit the CPU's, flag alike."""
+    ok = True
+    for n in SIZES[1:]:
+        for where in (None, 0, n - 1):
+            src = _x(n, 21)
+            if where is not None:
+                src[where] = float("inf")
+            for same in (False, True):
+                out_c = src.clone() if same else torch.full_like(src, 7.0)
+                out_d = out_c.to(dev)
+                src_d = out_d if same else src.to(dev)
+                flag_c, flag_d = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=dev)
+                _C.scale_flagged_(out_c, out_c if same else src, 0.5, flag_c)
+                _C.scale_flagged_(out_d, src_d, 0.5, flag_d)
+                ok &= torch.equal(out_c.view(torch.int32), out_d.cpu().view(torch.int32))
+                ok &= torch.equal(flag_c, flag_d.cpu())
+    record("kernel scale_flagged_", "-", 1, ok, 0.0 if ok else float("nan"))
+    assert ok
 
 
 def test_a_kernel_without_a_device_path_raises_naming_it(dev, record):

@@ -1,4 +1,4 @@
-// scatter_add on the device, in the CPU kernel's order: dense[indices[j]] += values[j] for j = 0, 1, ...,
+// The sparse and gradient-slot kernels on the device. scatter_add, in the CPU kernel's order: dense[indices[j]] += values[j] for j = 0, 1, ...,
 // rounding to dense's dtype after every addition, so duplicate indices are summed exactly as the CPU sums
 // them. (index_add_ sums duplicates with atomics, in whatever order the threads arrive: a different last
 // bit from run to run and from rank to rank, which breaks the replicas' bit-for-bit equality.)
@@ -35,7 +35,29 @@ __global__ void add_runs(D* dense, int64_t numel, const V* values, const int32_t
   }
 }
 
+// One pass: d = s * f rounded once (the CPU's float product), and an OR of the non-finite tests of s. inf
+// and NaN are the floats whose exponent bits are all ones. `write` is false when d is s and f is 1.
+__global__ void scale_flag_f32(float* d, const float* s, float f, int64_t n, bool write, int32_t* flag) {
+  int bad = 0;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float v = s[i];
+    bad |= (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+    if (write) d[i] = __fmul_rn(v, f);
+  }
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;  // every writer writes 1: no race to lose
+}
+
 }  // namespace
+
+void scale_flagged(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  const float f = static_cast<float>(scale);
+  const bool write = !(src.data_ptr() == dst.data_ptr() && f == 1.0f);
+  scale_flag_f32<<<grid_for(n), kThreads, 0, stream()>>>(dst.data_ptr<float>(), src.const_data_ptr<float>(), f, n,
+                                                         write, flag.data_ptr<int32_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void scatter_add(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices) {
   const int64_t n = indices.numel();
