@@ -117,7 +117,7 @@ class GradientAllReduce(Algorithm):
     def bucket_ops(self, bucket):
         if self.hierarchical:
             def hierarchical(flat, b=bucket.index):
-                if b in self.nonfinite_buckets:  # discarded on every rank anyway; compressors reject NaN
+                if b in self.nonfinite_buckets or bucket.nonfinite_seen():  # discarded anyway; compressors reject NaN
                     flat.zero_()
                 self._hierarchical_allreduce(flat)
             return [hierarchical]
@@ -139,7 +139,7 @@ class GradientAllReduce(Algorithm):
         def guard(flat, b=bucket.index):
             """Before the compressor: a non-finite gradient on this rank travels as zeros (quantizers
             reject NaN; the round is discarded on every rank anyway)."""
-            if b in self.nonfinite_buckets:
+            if b in self.nonfinite_buckets or bucket.nonfinite_seen():
                 flat.zero_()
         if self.compressor.native:
             return [guard, self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]

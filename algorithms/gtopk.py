@@ -49,8 +49,10 @@ class GTopK(ErrorFeedbackSparsifier):
     def aggregate(self, values, indices, acc, flat, bucket):
         k = values.numel()
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact)
-        sent = g_indices[torch.isin(g_indices, indices)]  # exact or not: only what this rank sent
-        kernels.ef_remove_(acc, sent)
+        # Error feedback forgets what this rank sent and the global set kept (exact or not), by a mask over
+        # this rank's k entries: a boolean index would read its count back from the device.
+        mine = indices.long()
+        acc.index_copy_(0, mine, acc.index_select(0, mine).masked_fill_(torch.isin(indices, g_indices), 0))
         self.clear_result(flat, bucket.index)           # k entries, not the whole bucket
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
         return g_indices

@@ -85,7 +85,7 @@ class QAdam(Algorithm):
         def qadam_allreduce(flat, b=bucket.index):  # Op.run releases the GIL for the collective
             if self.step < self.warmup_steps:
                 return dense(flat)
-            if b in self.nonfinite_buckets:  # the round is discarded on every rank: travel as zeros
+            if b in self.nonfinite_buckets or bucket.nonfinite_seen():  # discarded on every rank: zeros
                 flat.zero_()
             compressed(flat)
         return [qadam_allreduce]

@@ -74,6 +74,9 @@ class RoundAgreement:
     the same step, whether any rank's gradient held inf/NaN (the round is committed or discarded on every
     rank) and which parameters no rank used."""
 
+    #: the buckets' non-finite flags where the checks stay on the device (bucket.defer_nonfinite_checks)
+    _nonfinite_flags = None
+
     def _check_same_config(self):
         """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
         shapes, dtypes, requires_grad, as DDP checks). A mismatch raises on every rank, naming the ranks
@@ -161,6 +164,8 @@ class RoundAgreement:
         round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
         DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
         bad = self.algorithm.nonfinite_buckets
+        if self._nonfinite_flags is not None:  # the checks left on the device: one read per round
+            bad.update(i for i, v in enumerate(self._nonfinite_flags.tolist()) if v)
         words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // BITS] &= ~(1 << (i % BITS))

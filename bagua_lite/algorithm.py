@@ -199,7 +199,7 @@ class Algorithm:
     def fill(self, bucket, position: int, grad, scale: float = 1.0) -> bool:
         """``fill_slot`` that also checks ``grad`` for inf/NaN in the same pass and records the bucket in
         ``nonfinite_buckets`` if so. Returns whether ``grad`` was finite."""
-        if _C.scale_checked(bucket.view(position), grad, scale):
+        if bucket.fill(position, grad, scale):
             return True
         self.nonfinite_buckets.add(bucket.index)
         return False

@@ -1,9 +1,10 @@
 """Buckets: parameters grouped into flat buffers that their gradients (or weights) are views of."""
-from typing import List
+import os
+from typing import List, Optional
 
 import torch
 
-from bagua_lite import _compat
+from bagua_lite import _C, _compat
 
 
 _SEAL_SAMPLE = 64  # entries Bucket.seal keeps: a uniform rescale changes every nonzero one
@@ -37,6 +38,25 @@ class Bucket:
         self._views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.ops = []
         self._sealed = None
+        #: one int32 on the bucket's device that the non-finite check sets instead of answering the host
+        #: (``defer_nonfinite_checks``); None: the check answers at once
+        self.nonfinite_flag = None
+
+    def fill(self, i: int, grad, scale: float = 1.0) -> bool:
+        """``grad * scale`` into slot i in one pass (grad None: zeros), and whether grad was all finite. With a
+        ``nonfinite_flag`` the answer stays on the device, so the hook does not wait for the GPU: the flag is
+        set, this returns True, and the round's agreement reads the flags."""
+        if self.nonfinite_flag is not None:
+            _C.scale_flagged_(self.view(i), grad, scale, self.nonfinite_flag)
+            return True
+        return _C.scale_checked(self.view(i), grad, scale)
+
+    def nonfinite_seen(self) -> bool:
+        """Whether a deferred check has already found inf/NaN where reading the flag costs no wait (a CPU
+        flag). A device flag is left alone until the agreement: there the codecs take NaN without raising,
+        and the round is discarded on every rank all the same."""
+        flag = self.nonfinite_flag
+        return flag is not None and flag.device.type == "cpu" and bool(flag.item())
 
     def view(self, i: int) -> torch.Tensor:
         return self._views[i]
@@ -139,3 +159,20 @@ class FlatWeights:
                 for p in group:
                     p.copy_(flat[o:o + p.numel()].view_as(p))
                     o += p.numel()
+
+
+def defer_nonfinite_checks(buckets: List[Bucket]) -> Optional[torch.Tensor]:
+    """Gives every bucket a ``nonfinite_flag`` when the checks should stay on the device: CUDA buckets with the
+    CUDA kernels (a host answer per gradient would make each hook wait for the GPU), or any device with
+    ``BAGUA_LITE_DEFER_CHECKS=1`` (how the CPU tests run the GPU's logic). Returns the flags, one int32 per
+    bucket, read once per round; None when the checks answer at once."""
+    devices = {b.device for b in buckets}
+    if len(devices) != 1:
+        return None
+    device = devices.pop()
+    if not ((device.type == "cuda" and _C.cuda_kernels_enabled()) or os.environ.get("BAGUA_LITE_DEFER_CHECKS") == "1"):
+        return None
+    flags = torch.zeros(len(buckets), dtype=torch.int32, device=device)
+    for b in buckets:
+        b.nonfinite_flag = flags[b.index:b.index + 1]
+    return flags

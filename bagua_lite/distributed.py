@@ -27,7 +27,7 @@ from ._groups import resolve_group
 from .admission import Admission, check_fault_tolerant, join_running_job
 from .agreement import RoundAgreement
 from .algorithm import Algorithm
-from .bucket import Bucket, plan_buckets, plan_model_buckets
+from .bucket import Bucket, defer_nonfinite_checks, plan_buckets, plan_model_buckets
 from .config import algorithm_from
 from .scheduler import Scheduler
 from .services import Services
@@ -204,6 +204,9 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         if any(p.device.type == "cpu" for p in self.params):
             runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_model_buckets(module, self.bucket_size_mb))]
+        self._nonfinite_flags = defer_nonfinite_checks(self.buckets)  # None: the hooks' checks answer at once
+        self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
+        self._local_unread = []
         self._index = {p: i for i, p in enumerate(self.params)}
         self._used_words = max(1, -(-len(self.params) // agreement.BITS))
         self._slot = {}  # param -> (bucket index, position)

@@ -73,7 +73,12 @@ class Scheduler:
             return
         if not self.algorithm.sync_gradients():
             # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
-            if self._local_bad is None and p.grad is not None and not _C.all_finite(p.grad):
+            if p.grad is None:
+                return
+            if self._local_flag is not None:  # the answer stays on the device, read once at the step
+                _C.scale_flagged_(p.grad, p.grad, 1.0, self._local_flag)  # the same tensor, scale 1: a check only
+                self._local_unread.append(p)  # hook order, to name the first bad parameter as the CPU does
+            elif self._local_bad is None and not _C.all_finite(p.grad):
                 self._local_bad = p
             return
         self._start_backward()
@@ -94,6 +99,8 @@ class Scheduler:
             self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
+            if self._nonfinite_flags is not None:
+                self._nonfinite_flags.zero_()  # on the device's stream, ahead of this round's checks
             self.algorithm.kept_state.begin_round()  # register_state(rollback=True): before any bucket op runs
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 

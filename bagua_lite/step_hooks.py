@@ -7,6 +7,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import _C
 from ._failfast import PeerFailedError
 
 _LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
@@ -52,6 +53,23 @@ def take_closure(optimizer, args, kwargs):
 class StepHooks:
     """The optimizer's step hooks of a DistributedModel (a mixin: it shares the model's state)."""
 
+    #: where gradients stay local and their checks stay on the device: the flag the hooks set (one int32;
+    #: DistributedModel sets it up, None: checks answer at once), and the parameters checked since it was
+    #: last read, in hook order
+    _local_flag = None
+    _local_unread = ()
+
+    def _read_local_flag(self):
+        """The deferred local checks, read once: on inf/NaN, the first parameter in hook order that holds it."""
+        if not self._local_unread:
+            return
+        checked, self._local_unread = self._local_unread, []
+        if self._local_flag.item():
+            self._local_flag.zero_()
+            if self._local_bad is None:
+                self._local_bad = next((p for p in checked if p.grad is not None and not _C.all_finite(p.grad)),
+                                       checked[0])
+
     def _steps_parameters_of(self, optimizer) -> bool:
         """Whether ``optimizer`` holds any of this model's parameters."""
         return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
@@ -79,6 +97,7 @@ class StepHooks:
         self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None:
             raise FloatingPointError(self._nonfinite_error)
+        self._read_local_flag()
         if self._local_bad is not None:
             name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
             raise FloatingPointError(
@@ -100,6 +119,7 @@ class StepHooks:
         """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
         it still counts, as a step that moved nothing, so this rank's schedule (exchanges, periodic
         averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint."""
+        self._read_local_flag()
         if self._local_bad is not None:
             self._local_bad = None
             self._after_step()

@@ -7,6 +7,7 @@ rank), error-feedback residuals / momenta / PowerSGD's Q stay as they were, and 
 before the step, bit for bit, at odd and even P.
 """
 import hashlib
+import os
 
 import pytest
 import torch
@@ -165,6 +166,33 @@ def test_nonfinite_gradient_on_one_rank(clusters, P, scaler_on):
         _check([r[label] for r in res], P, label, scaler_on)
 
 
+# the algorithms whose gradients go into their buckets through Bucket.fill: on a GPU their checks stay there
+DEFERRED = ("gradient_allreduce", "fp16", "bytegrad", "sign_error_feedback", "hierarchical", "powersgd", "qadam",
+            "async_warmup")
+
+
+def _r_deferred(rank, P, scaler_on):
+    """The checks a GPU leaves on the device (a flag per bucket, read once per round at the agreement), run on
+    the CPU with BAGUA_LITE_DEFER_CHECKS=1: the same outcome, bit for bit, as the checks that answer at once."""
+    os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        net = _net()
+        model = bagua_lite.DistributedModel(net, _optimizer("sgd", net), "gradient_allreduce", bucket_size_mb=0.002)
+        flags = [b.nonfinite_flag is not None for b in model.buckets]
+        model.close()
+        return flags, {label: _r_scaled(rank, P, label, scaler_on) for label in DEFERRED}
+    finally:
+        del os.environ["BAGUA_LITE_DEFER_CHECKS"]
+
+
+@pytest.mark.parametrize("scaler_on", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_nonfinite_gradient_checked_on_the_device(clusters, scaler_on):
+    res = clusters.get(3).run(_r_deferred, scaler_on, timeout=240)
+    assert all(all(flags) for flags, _ in res), [flags for flags, _ in res]
+    for label in DEFERRED:
+        _check([r[label] for _, r in res], 3, label, scaler_on)
+
+
 def _r_out_of_step(rank, P, name, options):
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
@@ -266,6 +294,35 @@ def test_nonfinite_local_gradient_skips_on_its_rank_only(clusters, P, scaler_on)
         if label.startswith("local_sgd") or label == "async":  # the run ends with an average over all ranks
             assert len({bytes(o["final"].view(torch.uint8).numpy()) for o in outs}) == 1, \
                 f"{label}: replicas differ after the final average"
+
+
+def _r_local_deferred(rank, P, scaler_on):
+    """_r_local_all with the checks a GPU leaves on the device (BAGUA_LITE_DEFER_CHECKS=1)."""
+    os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        net = _net()
+        model = bagua_lite.DistributedModel(net, _optimizer("sgd", net), "local_sgd", bucket_size_mb=0.002)
+        deferred = model._local_flag is not None
+        model.close()
+        return deferred, _r_local_all(rank, P, scaler_on)
+    finally:
+        del os.environ["BAGUA_LITE_DEFER_CHECKS"]
+
+
+@pytest.mark.parametrize("scaler_on", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_nonfinite_local_gradient_checked_on_the_device(clusters, scaler_on):
+    """The same outcome when the local checks leave their answer on the device until the step reads it."""
+    res = clusters.get(3).run(_r_local_deferred, scaler_on, timeout=240)
+    assert all(deferred for deferred, _ in res)
+    plain = clusters.get(3).run(_r_local_all, scaler_on, timeout=240)
+    for label in LOCAL_CASES:
+        for r in range(3):
+            got, want = res[r][1][label], plain[r][label]
+            assert got["errors"] == want["errors"] and got["scale"] == want["scale"], (label, r)
+            assert got["step"] == want["step"], (label, r)
+            if label != "async":  # its averaging follows the clock: not repeatable
+                assert all(torch.equal(a, b) for a, b in zip(got["weights"], want["weights"])), (label, r)
+                assert got["opt"] == want["opt"], (label, r)
 
 
 class _Branchy(torch.nn.Module):
