@@ -263,6 +263,19 @@ bool all_finite(const at::Tensor& x) {
   return true;
 }
 
+namespace {
+// dst = src * scale with ATen ops (any dtypes and devices; src may be dst).
+void scale_into(at::Tensor& dst, const at::Tensor& src, double scale) {
+  if (src.data_ptr() == dst.data_ptr()) {
+    if (scale != 1.0) dst.mul_(scale);
+  } else if (scale != 1.0) {
+    at::mul_out(dst, src.view_as(dst), scale);
+  } else {
+    dst.copy_(src.view_as(dst));
+  }
+}
+}  // namespace
+
 bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
   if (!src.defined()) {
     dst.zero_();
@@ -270,13 +283,7 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
   }
   if (!fast_f32(dst) || !fast_f32(src)) {
     bool ok = all_finite(src);
-    if (src.data_ptr() == dst.data_ptr()) {
-      if (scale != 1.0) dst.mul_(scale);
-    } else if (scale != 1.0) {
-      at::mul_out(dst, src.view_as(dst), scale);
-    } else {
-      dst.copy_(src.view_as(dst));
-    }
+    scale_into(dst, src, scale);
     return ok;
   }
   TORCH_CHECK(dst.numel() == src.numel(), "scale_checked: dst has ", dst.numel(), " elements, src ", src.numel());
@@ -319,13 +326,7 @@ void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Te
 #endif
   // Other dtypes or devices: ATen ops, in scale_checked's arithmetic, the answer folded into the flag there.
   flag.copy_(at::maximum(flag, at::logical_not(at::isfinite(src).all()).to(at::kInt)));
-  if (src.data_ptr() == dst.data_ptr()) {
-    if (scale != 1.0) dst.mul_(scale);
-  } else if (scale != 1.0) {
-    at::mul_out(dst, src.view_as(dst), scale);
-  } else {
-    dst.copy_(src.view_as(dst));
-  }
+  scale_into(dst, src, scale);
 }
 
 namespace {
