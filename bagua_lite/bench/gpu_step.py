@@ -116,7 +116,7 @@ def measure(row, dev, args):
                     step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-            hits = [w for w in caught if "synchroniz" in str(w.message)]
+            hits = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
             syncs.append(len(hits))
             where.update(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in hits)
         sync()
