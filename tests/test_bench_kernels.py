@@ -35,3 +35,22 @@ def test_kernel_benchmark_refuses_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_kernels.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_step_benchmark_measures_every_row_it_is_given_against_plain_and_ddp(tmp_path):
+    """python -m bagua_lite.bench.gpu_step on the CPU (a small model): each row's step time, the table with the
+    ratios to the plain loop and DDP; an unknown row is refused by name."""
+    out = tmp_path / "rows.json"
+    rows = ["plain", "ddp", "gradient_allreduce fp16", "topk 0.001", "local_sgd period 8"]
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench.gpu_step", "--device", "cpu", "--small",
+                           "--steps", "2", "--warmup", "1", "--rows", ",".join(rows), "--json", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(out.read_text())
+    assert [r["row"] for r in got] == rows
+    for r in got:
+        assert "error" not in r and r["ms"] > 0 and r["host_ms"] > 0, r
+        assert f"| {r['row']} | {r['ms']:.2f} |" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "bagua_lite.bench.gpu_step", "--device", "cpu", "--rows", "plain,dpp"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert bad.returncode != 0 and "unknown rows ['dpp']" in bad.stderr
