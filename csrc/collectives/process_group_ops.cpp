@@ -49,19 +49,6 @@ bool p2p_through_host(const ProcessGroupPtr& pg, const at::Tensor& t) {
 
 at::Tensor host_like(const at::Tensor& t) { return at::empty(t.sizes(), t.options().device(at::kCPU)); }
 
-void allgather_direct(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag);
-
-}  // namespace
-
-void pg_allgather_direct(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag) {
-  if (!p2p_through_host(pg, in)) return allgather_direct(pg, out, in, tag);
-  at::Tensor in_h = in.cpu(), out_h = host_like(out);
-  allgather_direct(pg, out_h, in_h, tag);
-  out.copy_(out_h);
-}
-
-namespace {
-
 void allgather_direct(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag) {
   const int64_t P = pg->getSize(), me = pg->getRank(), n = in.numel();
   TORCH_INTERNAL_ASSERT(out.numel() == P * n);
@@ -84,6 +71,13 @@ void allgather_direct(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in
 }
 
 }  // namespace
+
+void pg_allgather_direct(const ProcessGroupPtr& pg, at::Tensor& out, at::Tensor& in, int tag) {
+  if (!p2p_through_host(pg, in)) return allgather_direct(pg, out, in, tag);
+  at::Tensor in_h = in.cpu(), out_h = host_like(out);
+  allgather_direct(pg, out_h, in_h, tag);
+  out.copy_(out_h);
+}
 
 void pg_exchange(const ProcessGroupPtr& pg, at::Tensor& send, at::Tensor& recv, int64_t peer, int tag) {
   const bool host = p2p_through_host(pg, send);
