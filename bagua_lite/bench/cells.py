@@ -94,16 +94,19 @@ def wrap_sharded(cell, cfg, net):
     the 2-D mesh, FSDP2 averages across replicas itself. Ours: ``fully_shard`` over the shard dimension,
     and ``bagua_lite.ShardedModel`` runs the algorithm across replicas. Every rank built the same seeded
     model, so ShardedModel's start-up broadcast is skipped (as DistributedModel's is in ``wrap``). The
-    model to call is the FSDP2 module itself: ShardedModel hooks it, the loop stays FSDP2's."""
+    model to call is the FSDP2 module itself: ShardedModel hooks it, the loop stays FSDP2's. The config's
+    ``fsdp_units`` (blocks: ``shard_units`` then the root; root: the root alone) and
+    ``reshard_after_forward`` shape every row's sharding alike."""
     from torch.distributed.fsdp import fully_shard
 
     name, options = cell["name"], cell["options"]
     kind = cell.get("optimizer", "sgd")
     mesh = shard_mesh(cfg["shards"])
     over = mesh if name == "hsdp" else mesh["shard"]
-    for unit in shard_units(net):
-        fully_shard(unit, mesh=over)
-    fully_shard(net, mesh=over)
+    keep = {"reshard_after_forward": cfg.get("reshard_after_forward", True)}
+    for unit in shard_units(net) if cfg.get("fsdp_units", "blocks") == "blocks" else ():
+        fully_shard(unit, mesh=over, **keep)
+    fully_shard(net, mesh=over, **keep)
     if name == "hsdp":
         return net, None, make_optimizer(kind, net.parameters(), cell_lr(cell, cfg)), None
     if name in BASELINES:  # config refuses these; a clear error if a caller builds a cell by hand

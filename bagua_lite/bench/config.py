@@ -81,6 +81,14 @@ Keys (``CONFIG_KEYS``), besides world sizes, networks, models and step counts:
                  size. The link's byte counter is then the node's, divided by ``ranks_per_node``. With
                  ``shards`` > 1 a node of ``shards`` ranks holds one replica: FSDP2's per-step gathers stay
                  inside it, and only what crosses replicas pays the slow link.
+``fsdp_units``   (with ``shards`` > 1) what ``fully_shard`` wraps, for every row alike: ``blocks`` (default: each
+                 transformer block, or top-level child, a unit of its own, then the root; forward and
+                 backward gather one block at a time, as FSDP2's examples shard) or ``root`` (the whole
+                 model one unit: one gather and one reduce-scatter per pass, ZeRO-2/3 without per-block
+                 overlap).
+``reshard_after_forward`` (with ``shards`` > 1) FSDP2's option of that name for every unit and row (default
+                 true, FSDP2's: gather again in backward; false: keep the gathered weights from forward
+                 to backward, one all-gather per step instead of two, at the memory of the whole unit).
 The ``ddp_topk_hook``, ``ddp_gtopk_hook`` (option ``density``, default 0.001) and ``ddp_compressed_hook`` (option
 ``compression``, default minmax_uint8) baselines are DDP with ``bagua_lite.hooks``' hook of that name (the
 optimizer's SGD momentum acts on the averaged sparse gradient: no momentum correction under a hook).
@@ -120,12 +128,14 @@ OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
 STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
 STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
 MODES = ("throughput", "convergence")
+FSDP_UNITS = ("blocks", "root")  # the ``fsdp_units`` key; see cells.shard_units
 METRICS = ("accuracy", "loss")
 THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell", "repeats")
 CONVERGENCE_KEYS = ("target", "metric", "time_budget_s", "eval_every", "eval_samples", "stop_at_target", "seed",
                     "seeds", "project_time", "timing_steps", "timing_warmup_steps", "timing_repeats")
 CONFIG_KEYS = ("mode", "world_sizes", "networks", "models", "algorithms", "batch_size", "bucket_size_mb",
-               "timeout_s", "max_steps", "lr", "shards", "ranks_per_node") + THROUGHPUT_KEYS + CONVERGENCE_KEYS
+               "timeout_s", "max_steps", "lr", "shards", "ranks_per_node", "fsdp_units", "reshard_after_forward"
+               ) + THROUGHPUT_KEYS + CONVERGENCE_KEYS
 
 
 # ---- configuration -----------------------------------------------------------------------------------------
@@ -159,7 +169,7 @@ def load_benchmark_config(path):
     out = {"mode": "throughput", "lr": None, "world_sizes": [4], "networks": ["loopback"], "models": ["mlp25m"], "steps": 5, "warmup_steps": 2,
            "batch_size": 32, "bucket_size_mb": 25.0, "project": [], "timeout_s": 900, "min_cell_s": 0.0,
            "max_steps": None, "stragglers": ["none"], "floor_each_cell": False, "repeats": 1, "shards": 1,
-           "ranks_per_node": 1}
+           "ranks_per_node": 1, "fsdp_units": "blocks", "reshard_after_forward": True}
     if mode == "convergence":
         out.update(metric="accuracy", eval_every=20, eval_samples=512, time_budget_s=None, stop_at_target=True, seed=0,
                    project_time=False, timing_steps=6, timing_warmup_steps=2, timing_repeats=1)
@@ -309,7 +319,8 @@ def _check_torchft(options):
 
 
 def _check_layout(out):
-    """``shards`` and ``ranks_per_node``: ints >= 1 dividing every world size; shards > 1 in mode convergence."""
+    """``shards`` and ``ranks_per_node``: ints >= 1 dividing every world size; shards > 1 in mode convergence;
+    ``fsdp_units`` and ``reshard_after_forward`` only with shards > 1."""
     for key in ("shards", "ranks_per_node"):
         v = out[key]
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -318,6 +329,14 @@ def _check_layout(out):
         if bad:
             raise ValueError(f"benchmark config: {key} ({v}) must divide every world size; it does not divide "
                              f"{', '.join(map(str, bad))} (world_sizes: {out['world_sizes']})")
+    if out["fsdp_units"] not in FSDP_UNITS:
+        raise ValueError(f"benchmark config: fsdp_units must be one of {', '.join(FSDP_UNITS)}, got {out['fsdp_units']!r}")
+    if not isinstance(out["reshard_after_forward"], bool):
+        raise ValueError("benchmark config: reshard_after_forward must be true or false, got "
+                         f"{out['reshard_after_forward']!r}")
+    if out["shards"] == 1 and (out["fsdp_units"] != "blocks" or not out["reshard_after_forward"]):
+        raise ValueError("benchmark config: fsdp_units and reshard_after_forward shape an FSDP2-sharded model; "
+                         "they need shards > 1 (shards: 1 trains whole models)")
     if out["shards"] > 1 and out["mode"] != "convergence":
         raise ValueError(f"benchmark config: shards ({out['shards']}) > 1 needs mode convergence: throughput mode's "
                          "compute floor, bucket plan and cost-model predictions describe a whole model on every rank; "

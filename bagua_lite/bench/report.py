@@ -595,6 +595,7 @@ def summarize_convergence(records):
             "network": c["network"], "world_size": c["world_size"], "model": c["model"], "algorithm": c["label"],
             "name": c["algorithm"], "optimizer": c.get("optimizer", "sgd"), "seed": c.get("seed", 0),
             "shards": c.get("shards", 1), "ranks_per_node": c.get("ranks_per_node", 1),
+            "fsdp_units": c.get("fsdp_units"), "reshard_after_forward": c.get("reshard_after_forward"),
             "metric": c["metric"], "target": c["target"], "steps_to_target": c["steps_to_target"],
             "time_to_target_s": ours, "final_metric": c["final_metric"], "final_loss": c["final_loss"],
             "step_s": c["step_s"], "steps_run": c["steps_run"], "train_s": c["train_s"], "eval_s": c["eval_s"],
@@ -742,6 +743,10 @@ def _layout(r):
     parts = []
     if shards > 1:
         parts.append(f"{r['world_size'] // shards} replicas x {shards} shards")
+        if r.get("fsdp_units", "blocks") != "blocks":
+            parts.append(f"FSDP2 units: {r['fsdp_units']}")
+        if r.get("reshard_after_forward") is False:
+            parts.append("no reshard after forward")
     if per_node > 1 and r["network"] != "loopback":  # on loopback every rank shares one loopback anyway
         parts.append(f"{per_node} ranks per node")
     return f" ({', '.join(parts)})" if parts else ""
