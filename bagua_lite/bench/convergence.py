@@ -90,12 +90,15 @@ def run_cell(cell, cfg, model_name, task, rank, world):
     curve = [[0, 0.0, value, heldout]]  # [step, training seconds, metric, held-out loss]
     train_s, step, hit = 0.0, 0, None
     train_losses = []
-    counted, wire = 0, 0  # bytes this rank sent in training stretches: bagua_lite's counter, the link's
+    wire = 0  # bytes this rank's link sent in training stretches (evaluations cross it too, so per stretch)
     budget = cfg.get("time_budget_s")
+    # bagua_lite's own counter counts training traffic only, so it runs over the whole cell and is read once
+    # the wrapper is closed: a background sync launched by a stretch's last step (streaming DiLoCo's, whose
+    # fragments can start exactly at an evaluation) still sends during the evaluation and belongs to training
+    comm.reset_traffic()
     while step < cfg["max_steps"]:
         n = min(cfg["eval_every"], cfg["max_steps"] - step)
         dist.barrier()
-        comm.reset_traffic()
         tx0 = tx_bytes()
         t0 = time.perf_counter()
         for _ in range(n):
@@ -106,7 +109,6 @@ def run_cell(cell, cfg, model_name, task, rank, world):
             opt.zero_grad()
             step += 1
         stretch = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        counted += comm.bytes_sent()
         wire = None if tx0 is None or wire is None else wire + tx_bytes() - tx0
         train_losses.append(float(loss.detach()))
         dist.all_reduce(stretch, op=dist.ReduceOp.MAX)
@@ -130,6 +132,7 @@ def run_cell(cell, cfg, model_name, task, rank, world):
         wrapper.close()
     if handle is not None:
         handle.close()
+    counted = comm.bytes_sent()
     return {"metric": metric, "target": target, "curve": curve,
             "steps_to_target": hit[0] if hit else None, "time_to_target_s": hit[1] if hit else None,
             "final_metric": value, "final_loss": heldout, "train_loss": train_losses[-1] if train_losses else None,
@@ -153,8 +156,16 @@ def worker(cfg, network, rank, world, emit):
                 emit({"kind": "convergence", "network": network, "world_size": world, "model": model_name,
                       "algorithm": cell["name"], "label": cell["label"], "options": cell["options"],
                       "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
-                      "lr": cell_lr(cell, cfg), "seed": seed, "shards": cfg.get("shards", 1),
-                      "ranks_per_node": cfg.get("ranks_per_node", 1), **res})
+                      "lr": cell_lr(cell, cfg), "seed": seed, **layout_fields(cfg), **res})
+
+
+def layout_fields(cfg):
+    """The layout a record carries: ranks per replica and per node, and (sharded) how FSDP2 wrapped it."""
+    out = {"shards": cfg.get("shards", 1), "ranks_per_node": cfg.get("ranks_per_node", 1)}
+    if out["shards"] > 1:
+        out.update(fsdp_units=cfg.get("fsdp_units", "blocks"),
+                   reshard_after_forward=cfg.get("reshard_after_forward", True))
+    return out
 
 
 def timing_worker(cfg, network, rank, world, emit):
@@ -188,4 +199,4 @@ def timing_worker(cfg, network, rank, world, emit):
                   "optimizer": cell.get("optimizer", "sgd"), "numel": numel, "batch_size": cfg["batch_size"],
                   "times": res["times"], "cycle": res["cycle"], "bytes": res["bytes"], "tx_bytes": res["tx_bytes"],
                   "loss": res["loss"], "warmup_steps": warm, "phases": phases or None, "repeat": repeat,
-                  "shards": cfg.get("shards", 1), "ranks_per_node": cfg.get("ranks_per_node", 1)})
+                  **layout_fields(cfg)})
