@@ -116,8 +116,8 @@ class GradientAllReduce(Algorithm):
 
     def bucket_ops(self, bucket):
         if self.hierarchical:
-            def hierarchical(flat, b=bucket.index):
-                if b in self.nonfinite_buckets or bucket.nonfinite_seen():  # discarded anyway; compressors reject NaN
+            def hierarchical(flat):
+                if bucket.nonfinite_seen(self.nonfinite_buckets):  # discarded anyway; compressors reject NaN
                     flat.zero_()
                 self._hierarchical_allreduce(flat)
             return [hierarchical]
@@ -136,10 +136,10 @@ class GradientAllReduce(Algorithm):
             return [fp16_allreduce]
         residual = self.residuals[bucket.index]
 
-        def guard(flat, b=bucket.index):
+        def guard(flat):
             """Before the compressor: a non-finite gradient on this rank travels as zeros (quantizers
             reject NaN; the round is discarded on every rank anyway)."""
-            if b in self.nonfinite_buckets or bucket.nonfinite_seen():
+            if bucket.nonfinite_seen(self.nonfinite_buckets):
                 flat.zero_()
         if self.compressor.native:
             return [guard, self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]

@@ -106,7 +106,7 @@ class PowerSGD(Algorithm):
             if self.step < self.warmup_steps:
                 comm.allreduce(flat, "avg", group=self.process_group)  # warm-up: dense SGD, no residuals
             else:
-                if b in self.nonfinite_buckets or bucket.nonfinite_seen():  # discarded on every rank: zeros
+                if bucket.nonfinite_seen(self.nonfinite_buckets):  # discarded on every rank: zeros
                     flat.zero_()
                 self.compress_and_average(b)
         powersgd.__name__ = f"powersgd_bucket{bucket.index}"

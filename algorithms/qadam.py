@@ -82,10 +82,10 @@ class QAdam(Algorithm):
             def compressed(flat):  # a user's Python compressor
                 comm.compressed_allreduce(flat, self.compressor, group=pg, residual=residual)
 
-        def qadam_allreduce(flat, b=bucket.index):  # Op.run releases the GIL for the collective
+        def qadam_allreduce(flat):  # Op.run releases the GIL for the collective
             if self.step < self.warmup_steps:
                 return dense(flat)
-            if b in self.nonfinite_buckets or bucket.nonfinite_seen():  # discarded on every rank: zeros
+            if bucket.nonfinite_seen(self.nonfinite_buckets):  # discarded on every rank: zeros
                 flat.zero_()
             compressed(flat)
         return [qadam_allreduce]

@@ -51,10 +51,14 @@ class Bucket:
             return True
         return _C.scale_checked(self.view(i), grad, scale)
 
-    def nonfinite_seen(self) -> bool:
-        """Whether a deferred check has already found inf/NaN where reading the flag costs no wait (a CPU
-        flag). A device flag is left alone until the agreement: there the codecs take NaN without raising,
-        and the round is discarded on every rank all the same."""
+    def nonfinite_seen(self, known=()) -> bool:
+        """Whether this round's gradients are known to hold inf/NaN without waiting: the bucket's index is in
+        ``known`` (an algorithm's ``nonfinite_buckets``, from checks made at once), or a deferred check has
+        set its flag where reading it costs no wait (a CPU flag). A device flag is left alone until the
+        agreement: there the codecs take NaN without raising, and the round is discarded on every rank all
+        the same."""
+        if self.index in known:
+            return True
         flag = self.nonfinite_flag
         return flag is not None and flag.device.type == "cpu" and bool(flag.item())
 
