@@ -58,7 +58,7 @@ timeout 300 "$PY" -m bagua_lite.bench.kernels --device "$device" --sizes "$sizes
   2>&1 | tee "$OUT/kernels.txt" || rc=$?
 # our own cost in a step at P = 1 against the plain loop and DDP (python -m bagua_lite.bench.gpu_step)
 if [ "$device" = cuda ]; then step_args=""; else step_args="--small --steps 3 --warmup 1"; fi
-timeout 300 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --json "$OUT/step.json" \
+timeout 300 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --models gpt,resnet18 --json "$OUT/step.json" \
   2>&1 | tee "$OUT/step.txt" || rc=$?
 echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); tables: $OUT/gpu_check_kernels.md, $OUT/gpu_check_algorithms.md" | tee -a "$OUT/pytest.log"
 exit $rc

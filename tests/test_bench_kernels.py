@@ -54,3 +54,65 @@ def test_step_benchmark_measures_every_row_it_is_given_against_plain_and_ddp(tmp
     bad = subprocess.run([sys.executable, "-m", "bagua_lite.bench.gpu_step", "--device", "cpu", "--rows", "plain,dpp"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert bad.returncode != 0 and "unknown rows ['dpp']" in bad.stderr
+
+
+STEP_CONFIG = """
+mode: step
+device: cpu
+small: true
+models: [gpt, resnet18]
+steps: 2
+warmup: 1
+rows: [plain, ddp, gradient_allreduce, gtopk 0.001]
+"""
+
+
+def test_step_config_runs_through_the_benchmark_and_writes_its_table(tmp_path):
+    """A ``mode: step`` config (configs/benchmark_gpu.yaml's kind) through ``python -m bagua_lite.bench``: one
+    process, both models, every row measured, and results.json/csv, table.md and the plot written."""
+    cfg = tmp_path / "step.yaml"
+    cfg.write_text(STEP_CONFIG)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "bagua_lite.bench", "--config", str(cfg), "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads((out / "results.json").read_text())
+    rows = ["plain", "ddp", "gradient_allreduce", "gtopk 0.001"]
+    assert [(r["model"], r["row"]) for r in got] == [(m, r) for m in ("gpt", "resnet18") for r in rows]
+    for r in got:
+        assert "error" not in r and r["ms"] > 0, r
+        # our counter sees our rows only; at P = 1 a collective sends nothing
+        assert r["mb_per_step"] is None if r["row"] in ("plain", "ddp") else r["mb_per_step"] == 0, r
+    assert got[0]["params"] != got[4]["params"]  # two models
+    table = (out / "table.md").read_text()
+    assert "## gpt on cpu" in table and "## resnet18 on cpu" in table
+    for r in got:
+        assert f"| {r['row']} | {r['ms']:.2f} |" in table
+    assert (out / "results.csv").read_text().count("\n") == 1 + len(got)
+    assert (out / "step.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("text, message", [
+    ("rows: [plain, dpp]", "unknown rows ['dpp']; known: plain, ddp"),
+    ("models: [vit]", "unknown models ['vit']; known: gpt, resnet18"),
+    ("steps: 0", "steps must be an int >= 1, got 0"),
+    ("device: tpu", "device must be auto, cpu or cuda, got 'tpu'"),
+    ("world_sizes: [2]", "unknown key 'world_sizes' for mode step"),
+    ("small: 1", "small must be true or false, got 1"),
+])
+def test_step_config_refuses_bad_values_by_name(tmp_path, text, message):
+    from bagua_lite.bench.config import load_benchmark_config
+
+    p = tmp_path / "s.yaml"
+    p.write_text(f"mode: step\n{text}\n")
+    with pytest.raises(ValueError) as e:
+        load_benchmark_config(str(p))
+    assert message in str(e.value)
+
+
+def test_shipped_gpu_benchmark_config_is_every_row_on_both_models():
+    from bagua_lite.bench import gpu_step
+    from bagua_lite.bench.config import load_benchmark_config
+
+    cfg = load_benchmark_config("benchmark_gpu")
+    assert cfg["mode"] == "step" and cfg["rows"] == list(gpu_step.ROWS) and cfg["models"] == list(gpu_step.MODELS)

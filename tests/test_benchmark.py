@@ -160,6 +160,9 @@ def test_every_shipped_benchmark_config_validates():
             if "no model left to run" in str(e) and optional_model_missing("hf_gpt2"):
                 continue
             raise
+        if cfg["mode"] == "step":  # gpu_step's rows: the plain loop and DDP measured beside ours
+            assert {"plain", "ddp"} <= set(cfg["rows"]), p
+            continue
         names = [a["name"] for a in cfg["algorithms"]]
         # the data-parallel reference in the same run: DDP, or FSDP2's own HSDP for sharded models
         reference = "hsdp" if cfg["shards"] > 1 else "ddp"

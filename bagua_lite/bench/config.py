@@ -116,6 +116,7 @@ from ..algorithms.diloco import outer_optimizer_class
 from ..config import shipped_configs, shipped_path
 from ..sharded import on_shards
 from . import netem, zoo
+from .gpu_step import check_step_config
 
 # DDP with one of bagua_lite.hooks' communication hooks: name -> (hook, its state's one option)
 HOOK_BASELINES = {"ddp_topk_hook": ("topk_hook", "density"), "ddp_gtopk_hook": ("gtopk_hook", "density"),
@@ -127,7 +128,7 @@ TORCHFT_OPTIONS = ("period", "outer_optimizer", "fragments", "fragment_sync_dela
 OPTIMIZERS = ("sgd", "adam", "adamw")  # per algorithm entry; see make_optimizer
 STRAGGLERS = ("none", "half")  # the ``stragglers`` axis; see the module docstring
 STRAGGLER_RANK = 0  # the rank that runs slow under ``half``
-MODES = ("throughput", "convergence")
+MODES = ("throughput", "convergence", "step")  # step: gpu_step's table, one process (configs/benchmark_gpu.yaml)
 FSDP_UNITS = ("blocks", "root")  # the ``fsdp_units`` key; see cells.shard_units
 METRICS = ("accuracy", "loss")
 THROUGHPUT_KEYS = ("steps", "warmup_steps", "min_cell_s", "stragglers", "project", "floor_each_cell", "repeats")
@@ -151,6 +152,8 @@ def load_benchmark_config(path):
         cfg = yaml.safe_load(f)
     if not isinstance(cfg, dict):
         raise ValueError(f"benchmark config {path}: expected a mapping")
+    if cfg.get("mode") == "step":
+        return check_step_config(cfg)
     for key in cfg:
         if key not in CONFIG_KEYS:
             near = difflib.get_close_matches(key, CONFIG_KEYS, n=1)

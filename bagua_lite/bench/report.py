@@ -8,6 +8,7 @@ import textwrap
 
 from .. import cost_model
 from .config import BASELINES, HOOK_BASELINES, STRAGGLER_RANK
+from .plot import pyplot
 
 
 def cycle_median(values, cycle=1):
@@ -383,19 +384,6 @@ def _write_results(out_dir, payload, rows, fields):
         w.writerows(rows)
 
 
-def _pyplot():
-    """matplotlib.pyplot on the Agg backend, or None (and a note) when matplotlib is not installed."""
-    try:
-        import matplotlib  # lazy: matplotlib is optional (the benchmark extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # lazy: matplotlib is optional
-    except ImportError:
-        print("benchmark: matplotlib not installed; no plot (pip install matplotlib)", file=sys.stderr)
-        return None
-    return plt
-
-
 def write_outputs(rows, projections, out_dir, spread=None):
     """results.json (rows, projections and ``floor_spread``'s list), results.csv (the rows) and
     throughput.png (``throughput_figure``). Returns the plot's path, or None without matplotlib."""
@@ -406,7 +394,7 @@ def write_outputs(rows, projections, out_dir, spread=None):
         return None
     path = os.path.join(out_dir, "throughput.png")
     fig.savefig(path, dpi=110, bbox_inches="tight")  # tight: whole labels, titles and legends, never cut
-    _pyplot().close(fig)
+    pyplot().close(fig)
     return path
 
 
@@ -443,7 +431,7 @@ def throughput_figure(rows, projections=(), spread=None):
     hatched and titled PROJECTED. Both axes are labelled and algorithm names are whole. A model whose
     floors drifted apart (``floor_spread``) says so above its panel, and a bar whose row beat its floor
     is marked "! below its floor"."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
 
@@ -859,7 +847,7 @@ def write_convergence_outputs(rows, out_dir, summary=None):
     summary = [{k: v for k, v in r.items() if k != "curve"} for r in (summary or combine_seeds(rows))]
     _write_results(out_dir, {"mode": "convergence", "rows": rows, "summary": summary}, rows,
                    [k for k in rows[0] if k != "curve"])
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return []
     written = []

@@ -77,7 +77,7 @@ import time
 
 from .. import cost_model, runtime
 from ..bucket import plan_model_buckets
-from . import convergence, netem
+from . import convergence, gpu_step, netem
 from .config import load_benchmark_config, make_optimizer
 from .data import loss_fn, make_batches
 from .report import (auto_convergence_report, auto_report, combine_seeds, convergence_figures, floor_spread,
@@ -407,6 +407,11 @@ def main(argv=None):
     ap.add_argument("--phase", default="run", choices=("run", "timing"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     cfg = load_benchmark_config(args.config)
+    if cfg["mode"] == "step":  # one process, nothing launched: our own cost in a step (gpu_step)
+        if args.project:
+            ap.error("--project projects step times of mode throughput; this config is mode step")
+        gpu_step.run_config(cfg, args.out)
+        return
     if not args.worker and os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0 under torchrun
         for note in cfg["skipped"]:
             print(f"benchmark: {note}", file=sys.stderr)
