@@ -865,8 +865,9 @@ def write_convergence_outputs(rows, out_dir, summary=None):
             ax.set_ylabel(f"held-out {rs[0]['metric']}")
             panel = [r for r in rs if (r["network"], r["world_size"]) == (network, P)]
             proj = any(r.get("projected") for r in panel)
-            ax.set_title(f"{model}, {network}, P={P}{_layout(panel[0])}" + (f" (seed {first_seed})" if several else "")
-                         + (" projected: loopback steps x measured s/step" if proj else ""), fontsize=9)
+            ax.set_title(_wrap(f"{model}, {network}, P={P}{_layout(panel[0])}" + (f" (seed {first_seed})" if several
+                                                                                    else "")
+                               + (" projected: loopback steps x measured s/step" if proj else ""), 70), fontsize=9)
             ax.legend(fontsize=7)
         fig.tight_layout()
         name = f"convergence_{model}.png"
