@@ -144,7 +144,7 @@ def bytes_per_rank(algorithm: str, options: dict, P: int, bucket_numels: Sequenc
 
 
 # ---- time ------------------------------------------------------------------------------------------------------
-def _pipeline(engine_s: List[float], numels: List[int], backward_s: float) -> float:
+def pipeline(engine_s: List[float], numels: List[int], backward_s: float) -> float:
     """Exposed time of buckets run in order on one worker as backward makes them ready."""
     total = sum(numels) or 1
     finish, seen = 0.0, 0
@@ -207,9 +207,9 @@ def _time(t: Traffic, P, work, numels, net, machine, extra):
         if shared and net.host_local:  # moving bytes is CPU work too: nothing hides
             exposed = sum(locals_) + sum(comms)
         elif shared:  # no spare core: local work adds to the step, waiting still hides
-            exposed = sum(locals_) + _pipeline(comms, numels, backward_s)
+            exposed = sum(locals_) + pipeline(comms, numels, backward_s)
         else:
-            exposed = _pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
+            exposed = pipeline([a + b for a, b in zip(locals_, comms)], numels, backward_s)
         return _result(work, sum(locals_) + t.serial_s, sum(comms) + round_s, exposed + t.serial_s + round_s,
                        t.bytes_per_step(), **extra)
     b, lat, crit = t.exchange

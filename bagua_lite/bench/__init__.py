@@ -7,7 +7,8 @@
 ``timing``   one cell's seconds per step on a rank (the throughput mode's and project_time's timing runs)
 ``convergence`` time to a held-out target (and project_time's timing runs)
 ``report``   summary rows, tables, projections, JSON/CSV and plots (``plot``: matplotlib, optional)
-``gpu_step`` our own cost in one step at P = 1, every row against the plain loop and DDP (mode step)
+``gpu_step`` our own cost in one step at P = 1, every row against the plain loop and DDP (mode step);
+             ``project_gpu`` projects such a step to GPU clusters in nodes over slow links
 ``zoo``      the models it trains (real architectures in plain torch.nn) and ``data`` their batches
 ``netem``    emulated slow networks on one machine (ip netns + veth + bridge + tc tbf)
 

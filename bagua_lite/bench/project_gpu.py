@@ -1,0 +1,270 @@
+"""Figures for clusters we cannot rent: one GPU's measured step, projected to P GPUs in nodes over slow links.
+
+    python -m bagua_lite.bench.project_gpu --step step.json [--sizes 8,32,128,256] [--gbits 1,10,25,100]
+                                           [--gpus-per-node 8] [--nics 1] [--out DIR]
+    (DIR: projection.json, projection.md and projection.png)
+
+What is measured (on one GPU, ``python -m bagua_lite.bench.gpu_step --json step.json``, P = 1): the plain
+loop's step, which is the compute, and each row's step; a row's time over the plain loop's is its own cost per
+step (hooks, bucket copies, codecs, selection), which it pays at any P. What is modelled: the links.
+
+The cluster: P GPUs, G per node, N = P / G nodes. Inside a node NVLink-class links (``ALPHA_IN``, ``BETA_IN``:
+stated constants, not measured here); between nodes one link of R Gbit/s per node (``ALPHA_OUT``), shared by
+the node's G GPUs (``nics`` links per node divide the time). A message of m bytes costs alpha + m beta.
+Per step, with n gradient elements, W the bytes of a whole gradient on the wire and k = density n pairs of
+8 bytes (a float32 value and an int32 index):
+- dense ring (DDP, its fp16 hook, gradient_allreduce with a codec; W = 4n, 2n, n + 8, n / 8 + 4):
+  reduce-scatter and all-gather inside the node, then a ring across the nodes, as NCCL's rings do:
+  2 (N-1)/N W bytes and 2 (N-1) messages through each node's link, 2 (G-1)/G W inside it;
+- topk: every rank's k pairs reach every other rank (an allgather): (N-1)/N P k 8 bytes through each node's
+  link, N - 1 messages;
+- gtopk: recursive doubling, log2 P rounds of k pairs; the log2 N rounds whose partner is in another node
+  send all G GPUs' pairs through the node's link at once (G k 8 bytes a round), the log2 G others stay
+  inside (P not a power of two: the next one up);
+- powersgd rank r: a dense ring of the P factors, then one of the Q factors (r rows and r cols per matrix),
+  with the 1-D tensors whole, fp32;
+- qadam: the dense ring of its compressed momentum (fp16 by default);
+- local_sgd, diloco with period H: a dense ring of the fp32 weights every H steps, after the step.
+Every row but PowerSGD's sends bucket by bucket (25 MB buckets), each bucket an exchange of its own with its
+own latencies. The synchronous gradient rows (and DDP's) run their buckets during backward, ``BACKWARD_FRACTION`` of the
+compute; only what sticks out after it is paid (``cost_time.pipeline``). The periodic rows' averages are
+not overlapped.
+
+Each cell says what bounds it: the largest of compute, own (the row's measured cost over the plain loop),
+bandwidth (exposed bytes x beta) and latency (exposed messages x alpha). Time to target is s/step times steps
+to target, with the steps as a ratio to DDP's (``cost_choice.efficiency_of``, or ``--efficiency`` with a
+convergence run's ``results.json``); the tables say PROJECTED.
+"""
+import argparse
+import json
+import math
+import os
+
+from ..cost_choice import efficiency_of, efficiencies_from_results
+from ..cost_time import pipeline
+from ..cost_traffic import k_of, wire_bytes
+from .plot import pyplot
+
+ALPHA_IN, BETA_IN = 5e-6, 1 / 150e9   # inside a node: NVLink-class, per GPU
+ALPHA_OUT = 25e-6                     # between nodes, per message
+BACKWARD_FRACTION = 0.66              # the share of a step that is backward (the overlap window)
+BUCKET_BYTES = 25 * 2**20
+
+#: gpu_step's rows -> (kind of traffic, options): what each sends, in the terms of the module docstring
+ROWS = {
+    "ddp": ("dense", {"wire": "fp32"}),
+    "ddp fp16 hook": ("dense", {"wire": "fp16"}),
+    "ddp powersgd hook r4": ("powersgd", {"rank": 4}),
+    "gradient_allreduce": ("dense", {"wire": "fp32"}),
+    "gradient_allreduce fp16": ("dense", {"wire": "fp16"}),
+    "gradient_allreduce uint8": ("dense", {"wire": "minmax_uint8"}),
+    "gradient_allreduce sign": ("dense", {"wire": "sign"}),
+    "topk 0.001": ("topk", {"density": 0.001}),
+    "gtopk 0.001": ("gtopk", {"density": 0.001}),
+    "powersgd r4": ("powersgd", {"rank": 4}),
+    "qadam": ("dense", {"wire": "fp16"}),
+    "local_sgd period 8": ("periodic", {"period": 8}),
+    "diloco period 8": ("periodic", {"period": 8}),
+}
+#: the algorithm each row runs, for its steps to target (efficiency_of)
+ALGORITHM = {"ddp": ("ddp", {}), "ddp fp16 hook": ("ddp_fp16", {}), "ddp powersgd hook r4": ("ddp_powersgd", {}),
+             "topk 0.001": ("topk", {"density": 0.001}), "gtopk 0.001": ("gtopk", {"density": 0.001}),
+             "powersgd r4": ("powersgd", {"rank": 4}), "qadam": ("qadam", {}),
+             "local_sgd period 8": ("local_sgd", {"period": 8}), "diloco period 8": ("diloco", {"period": 8})}
+
+
+def wire(kind, n):
+    """Bytes of n gradient elements on the wire: fp32, or a codec's (cost_traffic.wire_bytes)."""
+    return 4 * n if kind == "fp32" else wire_bytes(kind, n)
+
+
+def powersgd_bytes(shapes, rank):
+    """fp32 bytes PowerSGD sends per round: r (rows + cols) per matrix (its P and Q), 1-D tensors whole."""
+    total = 0
+    for shape in shapes:
+        if len(shape) >= 2:
+            rows, cols = shape[0], math.prod(shape[1:])
+            total += min(rank, rows, cols) * (rows + cols)
+        else:
+            total += math.prod(shape)
+    return 4 * total
+
+
+def link(P, G, gbits, nics=1):
+    """(N, beta_out): nodes and seconds per byte through one node's links."""
+    if P % G and P > G:
+        raise ValueError(f"project_gpu: P ({P}) must be a multiple of the GPUs per node ({G})")
+    return max(1, P // G), 8 / (gbits * 1e9 * nics)
+
+
+def exchange(kind, options, n, P, G, beta_out, shapes=None):
+    """(bytes through a node's link, messages across nodes, seconds inside the node) of one exchange."""
+    g = min(G, P)
+    N = max(1, P // g)
+    if kind in ("dense", "periodic", "powersgd"):
+        if kind == "powersgd":
+            W = powersgd_bytes(shapes, options["rank"])
+        else:
+            W = wire(options.get("wire", "fp32"), n)
+        inside = (2 * (g - 1) * ALPHA_IN + 2 * (g - 1) / g * W * BETA_IN) if g > 1 else 0.0
+        return 2 * (N - 1) / N * W, 2 * (N - 1), inside
+    k = k_of(options["density"], n)
+    pairs = 8 * k
+    if kind == "topk":
+        inside = ((g - 1) * ALPHA_IN + (g - 1) * pairs * BETA_IN) if g > 1 else 0.0
+        return (N - 1) / N * P * pairs, N - 1, inside
+    if kind == "gtopk":
+        rounds_out = math.ceil(math.log2(N)) if N > 1 else 0
+        rounds_in = math.ceil(math.log2(g)) if g > 1 else 0
+        return rounds_out * g * pairs, rounds_out, rounds_in * (ALPHA_IN + pairs * BETA_IN)
+    raise ValueError(f"project_gpu: unknown traffic kind {kind!r}")
+
+
+def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None):
+    """One cell: s/step and its parts, and what bounds it."""
+    kind, options = ROWS[row]
+    N, beta_out = link(P, G, gbits, nics)
+    own = max(0.0, measured - plain_s)
+    if P == 1:
+        return {"step_s": measured, "compute_s": plain_s, "own_s": own, "bandwidth_s": 0.0, "latency_s": 0.0,
+                "bound": "compute" if plain_s >= own else "own"}
+    if kind == "powersgd":  # one round over every matrix: a ring of the P factors, then one of the Qs
+        nbytes, msgs, inside = exchange(kind, options, n, P, G, beta_out, shapes)
+        msgs, inside = 2 * msgs, 2 * inside
+    else:  # bucket by bucket, each its own exchange (its own latencies)
+        buckets = max(1, math.ceil(4 * n / BUCKET_BYTES))
+        per = [exchange(kind, options, n // buckets + (1 if i < n % buckets else 0), P, G, beta_out)
+               for i in range(buckets)]
+        nbytes, msgs, inside = (sum(x[j] for x in per) for j in range(3))
+    bw, lat = nbytes * beta_out, msgs * ALPHA_OUT + inside
+    if kind == "periodic":
+        H = options["period"]
+        exposed_bw, exposed_lat = bw / H, lat / H
+    else:
+        buckets = max(1, math.ceil(4 * n / BUCKET_BYTES))
+        numels = [n // buckets] * buckets
+        comm = bw + lat
+        exposed = pipeline([comm / buckets] * buckets, numels, BACKWARD_FRACTION * plain_s)
+        share = exposed / comm if comm else 0.0
+        exposed_bw, exposed_lat = bw * share, lat * share
+    step = plain_s + own + exposed_bw + exposed_lat
+    parts = {"compute": plain_s, "own": own, "bandwidth": exposed_bw, "latency": exposed_lat}
+    return {"step_s": step, "compute_s": plain_s, "own_s": own, "bandwidth_s": exposed_bw, "latency_s": exposed_lat,
+            "bytes_per_node": nbytes, "bound": max(parts, key=parts.get)}
+
+
+def reference_shapes():
+    """The parameter shapes of gpu_step's reference transformer, built on the meta device (no memory)."""
+    import torch  # lazy: the projection itself is arithmetic; only PowerSGD's shapes need the model
+
+    from .zoo import gpt  # lazy: zoo builds torch models, as above
+
+    with torch.device("meta"):
+        net = gpt(vocab=8192, seq_len=512, d_model=768, layers=12, heads=12)
+    return [tuple(p.shape) for p in net.parameters()]
+
+
+def project(step_rows, sizes, gbits_list, G=8, nics=1, efficiency=None, shapes=None):
+    """Every measured row at every (P, link speed): a list of cells with s/step, x DDP per step and to target."""
+    by = {r["row"]: r for r in step_rows if "ms" in r}
+    for need in ("plain", "ddp"):
+        if need not in by:
+            raise ValueError(f"project_gpu: the step results need the {need!r} row (measured in the same run)")
+    plain_s, n = by["plain"]["ms"] / 1e3, int(by["plain"]["params"])
+    rows = [r for r in by if r in ROWS]
+    cells = []
+    for gbits in gbits_list:
+        for P in sizes:
+            got = {r: project_row(r, by[r]["ms"] / 1e3, plain_s, n, P, G, gbits, nics, shapes) for r in rows}
+            ddp = got["ddp"]["step_s"]
+            ddp_steps = efficiency_of(*ALGORITHM["ddp"], efficiency)[0]
+            for r in rows:
+                name, opts = ALGORITHM.get(r, (r.split()[0], {}))
+                eff, source = efficiency_of(name, opts, efficiency)
+                c = got[r]
+                cells.append({"P": P, "gbits": gbits, "row": r, **c, "x_ddp": ddp / c["step_s"],
+                              "efficiency": eff, "efficiency_source": source,
+                              "x_ddp_to_target": ddp * ddp_steps / (c["step_s"] * eff)})
+    return cells
+
+
+def table(cells, gbits):
+    sizes = sorted({c["P"] for c in cells})
+    rows = list(dict.fromkeys(c["row"] for c in cells))
+    at = {(c["row"], c["P"]): c for c in cells if c["gbits"] == gbits}
+    head = "| row | " + " | ".join(f"P = {P}: s/step, x DDP (to target), bound" for P in sizes) + " |"
+    lines = [f"PROJECTED, {gbits:g} Gbit/s between nodes:", head, "|---|" + "---|" * len(sizes)]
+    for r in rows:
+        cols = [f"{at[r, P]['step_s']:.3f}, {at[r, P]['x_ddp']:.2f}x ({at[r, P]['x_ddp_to_target']:.2f}x), "
+                f"{at[r, P]['bound']}" for P in sizes]
+        lines.append(f"| {r} | " + " | ".join(cols) + " |")
+    return "\n".join(lines)
+
+
+def plot(cells, path):
+    """x DDP to target against P, one panel per link speed, a line per row (torch's rows grey, dashed)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    speeds = list(dict.fromkeys(c["gbits"] for c in cells))
+    fig, axes = plt.subplots(1, len(speeds), figsize=(4.2 * len(speeds), 3.8), squeeze=False, sharey=True)
+    for ax, g in zip(axes[0], speeds):
+        for r in dict.fromkeys(c["row"] for c in cells):
+            pts = sorted((c["P"], c["x_ddp_to_target"]) for c in cells if c["row"] == r and c["gbits"] == g)
+            torch_row = r.startswith("ddp")
+            ax.plot([p for p, _ in pts], [v for _, v in pts], marker=".", label=r,
+                    color="k" if torch_row else None, linestyle="--" if torch_row else "-")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xlabel("GPUs (P)")
+        ax.set_title(f"{g:g} Gbit/s between nodes", fontsize=9)
+    axes[0][0].set_ylabel("x DDP, time to target (PROJECTED)")
+    axes[0][-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--step", required=True, help="gpu_step's --json results (P = 1, one GPU)")
+    p.add_argument("--sizes", default="8,32,128,256")
+    p.add_argument("--gbits", default="1,10,25,100", help="link speeds between nodes, Gbit/s")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nics", type=int, default=1, help="inter-node links per node (default 1, shared)")
+    p.add_argument("--efficiency", default=None, help="a convergence run's results.json: steps to target per row")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        gbits = [float(s) for s in args.gbits.split(",") if s.strip()]
+    except ValueError as e:
+        p.error(f"--sizes takes ints and --gbits numbers, comma-separated ({e})")
+    if not sizes or min(sizes) < 1 or not gbits or min(gbits) <= 0:
+        p.error(f"--sizes must be ints >= 1 and --gbits > 0, got {args.sizes!r} and {args.gbits!r}")
+    if args.gpus_per_node < 1 or args.nics < 1:
+        p.error("--gpus-per-node and --nics must be >= 1")
+    with open(args.step) as f:
+        rows = json.load(f)
+    eff = None
+    if args.efficiency:
+        with open(args.efficiency) as f:
+            eff = efficiencies_from_results(json.load(f))
+    shapes = reference_shapes() if any(ROWS.get(r.get("row"), ("",))[0] == "powersgd" for r in rows) else None
+    cells = project(rows, sizes, gbits, args.gpus_per_node, args.nics, eff, shapes)
+    text = "\n\n".join(table(cells, g) for g in gbits)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "projection.json"), "w") as f:
+            json.dump(cells, f, indent=1)
+        with open(os.path.join(args.out, "projection.md"), "w") as f:
+            f.write(text + "\n")
+        plot(cells, os.path.join(args.out, "projection.png"))
+    return cells
+
+
+if __name__ == "__main__":
+    main()
