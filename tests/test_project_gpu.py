@@ -80,6 +80,9 @@ def test_command_writes_its_table_and_refuses_what_it_cannot_project(tmp_path):
     assert {(c["row"], c["P"]) for c in cells} == {(r, P) for r in ("ddp", "gradient_allreduce") for P in (8, 16)}
     assert (out / "projection.md").read_text().strip() == proc.stdout.strip()
     assert (out / "projection.png").stat().st_size > 1000
+    other = subprocess.run([sys.executable, "-m", "bagua_lite.bench.project_gpu", "--step", str(step), "--model",
+                            "resnet18"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert other.returncode != 0 and f"no rows of model 'resnet18' in {step}" in other.stderr
     step.write_text(json.dumps([{"row": "plain", "ms": 20.0, "params": N_PARAMS}]))
     bad = subprocess.run([sys.executable, "-m", "bagua_lite.bench.project_gpu", "--step", str(step)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)

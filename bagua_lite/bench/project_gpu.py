@@ -153,14 +153,15 @@ def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None):
             "bytes_per_node": nbytes, "bound": max(parts, key=parts.get)}
 
 
-def reference_shapes():
-    """The parameter shapes of gpu_step's reference transformer, built on the meta device (no memory)."""
+def reference_shapes(model="gpt"):
+    """The parameter shapes of gpu_step's model (its reference sizes), built on the meta device (no memory)."""
     import torch  # lazy: the projection itself is arithmetic; only PowerSGD's shapes need the model
 
-    from .zoo import gpt  # lazy: zoo builds torch models, as above
+    from .zoo import gpt, resnet18  # lazy: zoo builds torch models, as above
 
     with torch.device("meta"):
-        net = gpt(vocab=8192, seq_len=512, d_model=768, layers=12, heads=12)
+        net = resnet18(num_classes=10, cifar=True) if model == "resnet18" else \
+            gpt(vocab=8192, seq_len=512, d_model=768, layers=12, heads=12)
     return [tuple(p.shape) for p in net.parameters()]
 
 
@@ -230,6 +231,7 @@ def plot(cells, path):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step", required=True, help="gpu_step's --json results (P = 1, one GPU)")
+    p.add_argument("--model", default="gpt", help="the step results' model to project (gpu_step --models)")
     p.add_argument("--sizes", default="8,32,128,256")
     p.add_argument("--gbits", default="1,10,25,100", help="link speeds between nodes, Gbit/s")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -247,12 +249,15 @@ def main(argv=None):
     if args.gpus_per_node < 1 or args.nics < 1:
         p.error("--gpus-per-node and --nics must be >= 1")
     with open(args.step) as f:
-        rows = json.load(f)
+        rows = [r for r in json.load(f) if r.get("model", "gpt") == args.model]
+    if not rows:
+        p.error(f"no rows of model {args.model!r} in {args.step}")
     eff = None
     if args.efficiency:
         with open(args.efficiency) as f:
             eff = efficiencies_from_results(json.load(f))
-    shapes = reference_shapes() if any(ROWS.get(r.get("row"), ("",))[0] == "powersgd" for r in rows) else None
+    # PowerSGD's factors follow the matrices: the reference transformer's (resnet18's convolutions: as matrices)
+    shapes = reference_shapes(args.model) if any(ROWS.get(r.get("row"), ("",))[0] == "powersgd" for r in rows) else None
     cells = project(rows, sizes, gbits, args.gpus_per_node, args.nics, eff, shapes)
     text = "\n\n".join(table(cells, g) for g in gbits)
     print(text)
