@@ -89,3 +89,16 @@ def test_command_writes_its_table_and_refuses_what_it_cannot_project(tmp_path):
     assert bad.returncode != 0 and "the step results need the 'ddp' row" in bad.stderr
     with pytest.raises(ValueError, match=r"P \(12\) must be a multiple of the GPUs per node \(8\)"):
         pg.project(_rows(), [12], [10])
+
+
+@pytest.mark.parametrize("model", ["gpt", "resnet18"])
+def test_powersgd_shapes_are_the_measured_models(model):
+    from bagua_lite.bench.gpu_step import build_model
+    from bagua_lite.bench.zoo import count_parameters
+
+    for small in (False, True):
+        n = count_parameters(build_model(model, small))
+        shapes = pg.reference_shapes(model, n)
+        assert sum(math.prod(s) for s in shapes) == n
+    with pytest.raises(ValueError, match=r"project_gpu: 12345 parameters is neither size of gpu_step's"):
+        pg.reference_shapes(model, 12345)

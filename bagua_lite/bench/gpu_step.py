@@ -97,18 +97,28 @@ def _ddp(net, hook):
     return ddp
 
 
+def _gpt_shape(small):
+    return dict(vocab=256, seq_len=64, d_model=128, layers=2, heads=4) if small else \
+        dict(vocab=8192, seq_len=512, d_model=768, layers=12, heads=12)
+
+
+def build_model(model, small):
+    """The untrained ``model`` (gpt or resnet18) at its reference size, or its small one."""
+    return resnet18(num_classes=10, cifar=True) if model == "resnet18" else gpt(**_gpt_shape(small))
+
+
 def _workload(model, dev, small):
     """(net on ``dev``, inputs, targets, classes) of a model, the same for every row."""
     gen = torch.Generator().manual_seed(1)
+    net = build_model(model, small).to(dev)
     if model == "resnet18":
         batch = 4 if small else 128
         x = torch.randn(batch, 3, 32, 32, generator=gen)
         y = torch.randint(0, 10, (batch,), generator=gen)
-        return resnet18(num_classes=10, cifar=True).to(dev), x.to(dev), y.to(dev), 10
-    shape = dict(vocab=256, seq_len=64, d_model=128, layers=2, heads=4) if small else \
-        dict(vocab=8192, seq_len=512, d_model=768, layers=12, heads=12)
+        return net, x.to(dev), y.to(dev), 10
+    shape = _gpt_shape(small)
     tokens = torch.randint(0, shape["vocab"], (2 if small else 8, shape["seq_len"] + 1), generator=gen).to(dev)
-    return gpt(**shape).to(dev), tokens[:, :-1], tokens[:, 1:], shape["vocab"]
+    return net, tokens[:, :-1], tokens[:, 1:], shape["vocab"]
 
 
 def measure(row, dev, args, model_name="gpt"):

@@ -153,16 +153,19 @@ def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None):
             "bytes_per_node": nbytes, "bound": max(parts, key=parts.get)}
 
 
-def reference_shapes(model="gpt"):
-    """The parameter shapes of gpu_step's model (its reference sizes), built on the meta device (no memory)."""
+def reference_shapes(model, params):
+    """The parameter shapes of gpu_step's ``model`` at the size that has ``params`` parameters (its reference
+    size or its ``--small`` one), built on the meta device (no memory)."""
     import torch  # lazy: the projection itself is arithmetic; only PowerSGD's shapes need the model
 
-    from .zoo import gpt, resnet18  # lazy: zoo builds torch models, as above
+    from .gpu_step import build_model  # lazy: gpu_step builds torch models, as above
 
-    with torch.device("meta"):
-        net = resnet18(num_classes=10, cifar=True) if model == "resnet18" else \
-            gpt(vocab=8192, seq_len=512, d_model=768, layers=12, heads=12)
-    return [tuple(p.shape) for p in net.parameters()]
+    for small in (False, True):
+        with torch.device("meta"):
+            shapes = [tuple(p.shape) for p in build_model(model, small).parameters()]
+        if sum(math.prod(s) for s in shapes) == params:
+            return shapes
+    raise ValueError(f"project_gpu: {params} parameters is neither size of gpu_step's {model!r}")
 
 
 def project(step_rows, sizes, gbits_list, G=8, nics=1, efficiency=None, shapes=None):
@@ -257,7 +260,7 @@ def main(argv=None):
         with open(args.efficiency) as f:
             eff = efficiencies_from_results(json.load(f))
     # PowerSGD's factors follow the matrices: the reference transformer's (resnet18's convolutions: as matrices)
-    shapes = reference_shapes(args.model) if any(ROWS.get(r.get("row"), ("",))[0] == "powersgd" for r in rows) else None
+    shapes = reference_shapes(args.model, int(rows[0]["params"])) if any(ROWS.get(r.get("row"), ("",))[0] == "powersgd" for r in rows) else None
     cells = project(rows, sizes, gbits, args.gpus_per_node, args.nics, eff, shapes)
     text = "\n\n".join(table(cells, g) for g in gbits)
     print(text)
