@@ -22,28 +22,27 @@ def _rows(plain=20.0, ddp=22.0, **ours):
 
 
 def test_dense_ring_sends_two_n_minus_one_over_n_of_the_gradient_through_each_node():
-    beta = 8 / 10e9
     for P, G in ((16, 8), (32, 8), (24, 8), (4, 1)):
         N = P // G
-        nbytes, msgs, inside = pg.exchange("dense", {"wire": "fp32"}, N_PARAMS, P, G, beta)
+        nbytes, msgs, inside = pg.exchange("dense", {"wire": "fp32"}, N_PARAMS, P, G)
         assert nbytes == pytest.approx(2 * (N - 1) / N * 4 * N_PARAMS) and msgs == 2 * (N - 1)
         assert (inside > 0) == (G > 1)
     # one node: nothing crosses
-    assert pg.exchange("dense", {"wire": "fp16"}, N_PARAMS, 8, 8, beta)[:2] == (0.0, 0)
+    assert pg.exchange("dense", {"wire": "fp16"}, N_PARAMS, 8, 8)[:2] == (0.0, 0)
     # a codec's bytes are its wire format's
-    assert pg.exchange("dense", {"wire": "minmax_uint8"}, N_PARAMS, 16, 8, beta)[0] == pytest.approx(N_PARAMS + 8)
+    assert pg.exchange("dense", {"wire": "minmax_uint8"}, N_PARAMS, 16, 8)[0] == pytest.approx(N_PARAMS + 8)
 
 
 def test_gtopk_crosses_nodes_in_log2_n_rounds_of_every_gpus_pairs():
     k = 1000  # density 0.001 of 1M
     for P, G in ((64, 8), (256, 8), (32, 1), (8, 8)):
         N = P // G
-        nbytes, msgs, _ = pg.exchange("gtopk", {"density": 0.001}, N_PARAMS, P, G, 1e-9)
+        nbytes, msgs, _ = pg.exchange("gtopk", {"density": 0.001}, N_PARAMS, P, G)
         rounds = int(math.log2(N)) if N > 1 else 0
         assert msgs == rounds and nbytes == rounds * G * 8 * k
     # topk gathers every rank's pairs: its bytes grow with P, gtopk's with log P
-    t = [pg.exchange("topk", {"density": 0.001}, N_PARAMS, P, 8, 1e-9)[0] for P in (32, 256)]
-    g = [pg.exchange("gtopk", {"density": 0.001}, N_PARAMS, P, 8, 1e-9)[0] for P in (32, 256)]
+    t = [pg.exchange("topk", {"density": 0.001}, N_PARAMS, P, 8)[0] for P in (32, 256)]
+    g = [pg.exchange("gtopk", {"density": 0.001}, N_PARAMS, P, 8)[0] for P in (32, 256)]
     assert t[1] / t[0] > 8 and g[1] / g[0] == pytest.approx(5 / 2)  # log2 of 32 nodes over log2 of 4
 
 

@@ -59,6 +59,7 @@ ROWS = {
 
 
 MODELS = ("gpt", "resnet18")
+DDP_POWERSGD_RANK = 4  # torch's PowerSGD hook in the "ddp powersgd hook r4" row
 #: a ``mode: step`` config's keys and their defaults (the command line's options of the same names)
 STEP_KEYS = {"mode": "step", "device": "auto", "models": ["gpt"], "rows": list(ROWS), "steps": 12, "warmup": 3,
              "small": False}
@@ -78,9 +79,9 @@ def check_step_config(cfg):
         unknown = [v for v in out[key] if v not in known]
         if unknown:
             raise ValueError(f"benchmark config: unknown {key} {unknown}; known: {', '.join(known)}")
-    for key in ("steps", "warmup"):
-        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < (1 if key == "steps" else 0):
-            raise ValueError(f"benchmark config: {key} must be an int >= {1 if key == 'steps' else 0}, got {out[key]!r}")
+    for key, low in (("steps", 1), ("warmup", 0)):
+        if not isinstance(out[key], int) or isinstance(out[key], bool) or out[key] < low:
+            raise ValueError(f"benchmark config: {key} must be an int >= {low}, got {out[key]!r}")
     if not isinstance(out["small"], bool):
         raise ValueError(f"benchmark config: small must be true or false, got {out['small']!r}")
     return out
@@ -92,7 +93,8 @@ def _ddp(net, hook):
     if hook == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif hook == "powersgd":
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=DDP_POWERSGD_RANK,
+                                            start_powerSGD_iter=2)
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return ddp
 

@@ -43,6 +43,7 @@ import os
 from ..cost_choice import efficiency_of, efficiencies_from_results
 from ..cost_time import pipeline
 from ..cost_traffic import k_of, wire_bytes
+from . import gpu_step
 from .plot import pyplot
 
 ALPHA_IN, BETA_IN = 5e-6, 1 / 150e9   # inside a node: NVLink-class, per GPU
@@ -50,27 +51,28 @@ ALPHA_OUT = 25e-6                     # between nodes, per message
 BACKWARD_FRACTION = 0.66              # the share of a step that is backward (the overlap window)
 BUCKET_BYTES = 25 * 2**20
 
-#: gpu_step's rows -> (kind of traffic, options): what each sends, in the terms of the module docstring
-ROWS = {
-    "ddp": ("dense", {"wire": "fp32"}),
-    "ddp fp16 hook": ("dense", {"wire": "fp16"}),
-    "ddp powersgd hook r4": ("powersgd", {"rank": 4}),
-    "gradient_allreduce": ("dense", {"wire": "fp32"}),
-    "gradient_allreduce fp16": ("dense", {"wire": "fp16"}),
-    "gradient_allreduce uint8": ("dense", {"wire": "minmax_uint8"}),
-    "gradient_allreduce sign": ("dense", {"wire": "sign"}),
-    "topk 0.001": ("topk", {"density": 0.001}),
-    "gtopk 0.001": ("gtopk", {"density": 0.001}),
-    "powersgd r4": ("powersgd", {"rank": 4}),
-    "qadam": ("dense", {"wire": "fp16"}),
-    "local_sgd period 8": ("periodic", {"period": 8}),
-    "diloco period 8": ("periodic", {"period": 8}),
-}
-#: the algorithm each row runs, for its steps to target (efficiency_of)
-ALGORITHM = {"ddp": ("ddp", {}), "ddp fp16 hook": ("ddp_fp16", {}), "ddp powersgd hook r4": ("ddp_powersgd", {}),
-             "topk 0.001": ("topk", {"density": 0.001}), "gtopk 0.001": ("gtopk", {"density": 0.001}),
-             "powersgd r4": ("powersgd", {"rank": 4}), "qadam": ("qadam", {}),
-             "local_sgd period 8": ("local_sgd", {"period": 8}), "diloco period 8": ("diloco", {"period": 8})}
+def traffic(row):
+    """((kind of traffic, its options), (algorithm, options) for its steps to target) of one of gpu_step's rows:
+    what the row sends, in the terms of the module docstring, read from the row's own algorithm and options."""
+    name, options = gpu_step.ROWS[row]
+    if name == "ddp":
+        hook = options.get("hook")
+        if hook == "powersgd":
+            return ("powersgd", {"rank": gpu_step.DDP_POWERSGD_RANK}), ("ddp_powersgd", {})
+        return ("dense", {"wire": hook or "fp32"}), ("ddp_fp16" if hook else "ddp", {})
+    if name in ("topk", "gtopk"):
+        return (name, {"density": options["density"]}), (name, options)
+    if name == "powersgd":
+        return ("powersgd", {"rank": options["rank"]}), (name, options)
+    if name in ("local_sgd", "diloco"):
+        return ("periodic", {"period": options["period"]}), (name, options)
+    # gradient_allreduce and qadam: a dense ring of their codec's bytes (qadam's default codec: fp16)
+    codec = options.get("compression", "fp16" if name == "qadam" else "none")
+    return ("dense", {"wire": "fp32" if codec == "none" else codec}), (name, {})
+
+
+def projectable(row):
+    return row in gpu_step.ROWS and gpu_step.ROWS[row][0] != "plain"
 
 
 def wire(kind, n):
@@ -91,13 +93,13 @@ def powersgd_bytes(shapes, rank):
 
 
 def link(P, G, gbits, nics=1):
-    """(N, beta_out): nodes and seconds per byte through one node's links."""
+    """Seconds per byte through one node's links (P must fill whole nodes)."""
     if P % G and P > G:
         raise ValueError(f"project_gpu: P ({P}) must be a multiple of the GPUs per node ({G})")
-    return max(1, P // G), 8 / (gbits * 1e9 * nics)
+    return 8 / (gbits * 1e9 * nics)
 
 
-def exchange(kind, options, n, P, G, beta_out, shapes=None):
+def exchange(kind, options, n, P, G, shapes=None):
     """(bytes through a node's link, messages across nodes, seconds inside the node) of one exchange."""
     g = min(G, P)
     N = max(1, P // g)
@@ -122,27 +124,25 @@ def exchange(kind, options, n, P, G, beta_out, shapes=None):
 
 def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None):
     """One cell: s/step and its parts, and what bounds it."""
-    kind, options = ROWS[row]
-    N, beta_out = link(P, G, gbits, nics)
+    (kind, options), _ = traffic(row)
+    beta_out = link(P, G, gbits, nics)
     own = max(0.0, measured - plain_s)
     if P == 1:
         return {"step_s": measured, "compute_s": plain_s, "own_s": own, "bandwidth_s": 0.0, "latency_s": 0.0,
                 "bound": "compute" if plain_s >= own else "own"}
+    buckets = max(1, math.ceil(4 * n / BUCKET_BYTES))
+    numels = [n // buckets + (1 if i < n % buckets else 0) for i in range(buckets)]
     if kind == "powersgd":  # one round over every matrix: a ring of the P factors, then one of the Qs
-        nbytes, msgs, inside = exchange(kind, options, n, P, G, beta_out, shapes)
+        nbytes, msgs, inside = exchange(kind, options, n, P, G, shapes)
         msgs, inside = 2 * msgs, 2 * inside
     else:  # bucket by bucket, each its own exchange (its own latencies)
-        buckets = max(1, math.ceil(4 * n / BUCKET_BYTES))
-        per = [exchange(kind, options, n // buckets + (1 if i < n % buckets else 0), P, G, beta_out)
-               for i in range(buckets)]
+        per = [exchange(kind, options, b, P, G) for b in numels]
         nbytes, msgs, inside = (sum(x[j] for x in per) for j in range(3))
     bw, lat = nbytes * beta_out, msgs * ALPHA_OUT + inside
     if kind == "periodic":
         H = options["period"]
         exposed_bw, exposed_lat = bw / H, lat / H
     else:
-        buckets = max(1, math.ceil(4 * n / BUCKET_BYTES))
-        numels = [n // buckets] * buckets
         comm = bw + lat
         exposed = pipeline([comm / buckets] * buckets, numels, BACKWARD_FRACTION * plain_s)
         share = exposed / comm if comm else 0.0
@@ -175,16 +175,16 @@ def project(step_rows, sizes, gbits_list, G=8, nics=1, efficiency=None, shapes=N
         if need not in by:
             raise ValueError(f"project_gpu: the step results need the {need!r} row (measured in the same run)")
     plain_s, n = by["plain"]["ms"] / 1e3, int(by["plain"]["params"])
-    rows = [r for r in by if r in ROWS]
+    rows = [r for r in by if projectable(r)]
+    steps = {r: efficiency_of(*traffic(r)[1], efficiency) for r in rows}  # (ratio, source)
+    ddp_steps = steps["ddp"][0]
     cells = []
     for gbits in gbits_list:
         for P in sizes:
             got = {r: project_row(r, by[r]["ms"] / 1e3, plain_s, n, P, G, gbits, nics, shapes) for r in rows}
             ddp = got["ddp"]["step_s"]
-            ddp_steps = efficiency_of(*ALGORITHM["ddp"], efficiency)[0]
             for r in rows:
-                name, opts = ALGORITHM.get(r, (r.split()[0], {}))
-                eff, source = efficiency_of(name, opts, efficiency)
+                eff, source = steps[r]
                 c = got[r]
                 cells.append({"P": P, "gbits": gbits, "row": r, **c, "x_ddp": ddp / c["step_s"],
                               "efficiency": eff, "efficiency_source": source,
@@ -260,7 +260,8 @@ def main(argv=None):
         with open(args.efficiency) as f:
             eff = efficiencies_from_results(json.load(f))
     # PowerSGD's factors follow the matrices: the reference transformer's (resnet18's convolutions: as matrices)
-    shapes = reference_shapes(args.model, int(rows[0]["params"])) if any(ROWS.get(r.get("row"), ("",))[0] == "powersgd" for r in rows) else None
+    powersgd = any(projectable(r.get("row")) and traffic(r["row"])[0][0] == "powersgd" for r in rows)
+    shapes = reference_shapes(args.model, int(rows[0]["params"])) if powersgd else None
     cells = project(rows, sizes, gbits, args.gpus_per_node, args.nics, eff, shapes)
     text = "\n\n".join(table(cells, g) for g in gbits)
     print(text)
