@@ -1,10 +1,14 @@
 #include "engine/engine.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 
 #include "collectives/collectives.h"
 #include "kernels/compress.h"
@@ -43,7 +47,33 @@ std::vector<std::weak_ptr<Engine>>& registry() {
 std::atomic<int64_t> engines_created{0};
 }  // namespace
 
-Engine::Engine() : worker_([this] { loop(); }) {}
+namespace {
+bool streams_wanted() {
+  const char* v = std::getenv("BAGUA_LITE_ENGINE_STREAM");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+}  // namespace
+
+// use_streams_ is set before the worker starts: the member order puts worker_ last.
+Engine::Engine() : use_streams_(streams_wanted()), worker_([this] { loop(); }) {}
+
+std::optional<c10::Stream> Engine::stream_for(const at::Device& device) {
+  for (const auto& s : streams_)
+    if (s.device() == device) return s;
+  c10::impl::VirtualGuardImpl impl(device.type());
+  streams_.push_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
+  return streams_.back();
+}
+
+void Engine::record_done(const Task& task) {
+  if (!task.ready) return;
+  const auto device = task.bucket.device();
+  c10::impl::VirtualGuardImpl impl(device.type());
+  c10::Event done(device.type());
+  done.record(impl.getStream(device));  // the engine's stream: the caller's guard is still in place
+  std::lock_guard<std::mutex> lock(mu_);
+  done_events_.push_back(std::move(done));
+}
 
 std::shared_ptr<Engine> Engine::track(std::shared_ptr<Engine> engine) {
   std::lock_guard<std::mutex> lock(registry_mu);
@@ -112,7 +142,13 @@ void Engine::submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops
     // A stopped engine has no worker (or one that is leaving): the task would never run and wait_all hang.
     TORCH_CHECK(!stop_, "bagua_lite engine: submit after the engine stopped (its model was closed, its peers "
                 "failed, or the process is exiting)");
-    queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops), at::get_num_threads()});
+    std::optional<c10::Event> ready;
+    if (use_streams_ && bucket.defined() && bucket.device().type() != c10::DeviceType::CPU) {
+      c10::impl::VirtualGuardImpl impl(bucket.device().type());
+      ready.emplace(bucket.device().type());
+      ready->record(impl.getStream(bucket.device()));  // the submitting thread's current stream
+    }
+    queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops), at::get_num_threads(), std::move(ready)});
     ++in_flight_;
   }
   cv_work_.notify_one();
@@ -123,8 +159,15 @@ void Engine::wait_all() {
   cv_idle_.wait(lock, [this] { return in_flight_ == 0; });
   std::vector<OpPtr> finished;
   finished.swap(finished_ops_);
+  std::vector<c10::Event> done;
+  done.swap(done_events_);
   lock.unlock();
   finished.clear();  // on the waiting thread (see loop())
+  for (const auto& e : done) {  // this thread's stream waits for the engine's work on the device, not the host
+    c10::impl::VirtualGuardImpl impl(e.device_type());
+    e.block(impl.getStream(c10::Device(e.device_type(), e.device_index())));
+  }
+  done.clear();
   lock.lock();
   if (error_) {
     auto err = error_;
@@ -193,6 +236,12 @@ std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
   }();
   if (skip) return nullptr;  // after an error, once abandoned or stopped for exit: the queue drains, nothing runs
   use_threads(task.num_threads);
+  std::optional<c10::StreamGuard> on_stream;
+  if (task.ready) {
+    auto stream = stream_for(task.bucket.device());
+    task.ready->block(*stream);  // the engine's stream waits until the bucket was filled
+    on_stream.emplace(*stream);
+  }
   for (size_t i = 0; i < task.ops.size(); ++i) {
     auto& op = task.ops[i];
     try {
@@ -217,6 +266,7 @@ std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
         // A backend without futures: wait here (synchronous, as before).
         wait(p->work);
         op->finish(task.bucket);
+        record_done(task);
         return nullptr;
       }
       return p;
@@ -225,15 +275,19 @@ std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
       return nullptr;
     }
   }
+  record_done(task);
   return nullptr;
 }
 
 void Engine::finish_pending(Pending& p) {
   use_threads(p.task.num_threads);
+  std::optional<c10::StreamGuard> on_stream;
+  if (p.task.ready) on_stream.emplace(*stream_for(p.task.bucket.device()));
   auto& op = *p.task.ops.back();
   try {
     wait(p.work);  // rethrows the backend's error (a failed or timed-out peer)
     op.finish(p.task.bucket);
+    record_done(p.task);
   } catch (...) {
     record_error(p.task, op);
   }

@@ -10,9 +10,19 @@
 // buckets' allreduces in flight, so a rank that waits for a slow peer on one bucket still makes
 // progress on the next. Its Op::finish (e.g. the division of an average) runs on the worker once the
 // work completed, oldest first. Every other op runs to completion before the next one starts.
+//
+// Device buckets, opt-in (BAGUA_LITE_ENGINE_STREAM=1, until measured on a GPU): the ops run on a stream of
+// the engine's own, so a bucket's copies, codecs and collectives overlap the rest of backward instead of
+// queueing behind it on the trainer's stream. submit() records an event on the submitting thread's current
+// stream (after the bucket was filled there); the worker's stream waits on it before the bucket's first op.
+// Each bucket records an event on the engine's stream after its last op, and wait_all() makes the waiting
+// thread's current stream wait on those events. Nothing waits on the host: the device orders the work.
+// CPU buckets have no stream and run as before.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -20,6 +30,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -120,6 +131,7 @@ class Engine {
     at::Tensor bucket;
     std::vector<OpPtr> ops;
     int num_threads;  // the submitting thread's intra-op thread count, applied on the worker
+    std::optional<c10::Event> ready;  // device buckets on the engine's stream: the bucket is filled
   };
   // A bucket whose last op's collective is in flight (that op is task.ops.back()).
   struct Pending {
@@ -134,6 +146,10 @@ class Engine {
   void record_error(const Task& task, const Op& op);
   // Under mu_: a bucket is done (its ops handed to the waiting thread for release).
   void task_done_locked(Task& task);
+  // The engine's stream for a device (made on first use, one per device); nullopt: run on the current one.
+  std::optional<c10::Stream> stream_for(const at::Device& device);
+  // On the engine's stream, after a device bucket's last op: what wait_all's caller's stream waits on.
+  void record_done(const Task& task);
 
   mutable std::mutex mu_;
   std::condition_variable cv_work_, cv_idle_;
@@ -149,6 +165,9 @@ class Engine {
   std::exception_ptr error_;
   std::string error_where_;
   EngineStats stats_;
+  const bool use_streams_;                // BAGUA_LITE_ENGINE_STREAM=1
+  std::vector<c10::Stream> streams_;      // the worker's, one per device (worker thread only)
+  std::vector<c10::Event> done_events_;   // recorded since the last wait_all (under mu_)
   std::thread worker_;
 };
 

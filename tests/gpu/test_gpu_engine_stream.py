@@ -1,0 +1,61 @@
+"""The engine's own CUDA stream (``BAGUA_LITE_ENGINE_STREAM=1``) against the trainer's stream: a scheduling
+change only, so every algorithm's weights are bit for bit those of the run without it, under NCCL at P = 1
+and over gloo with CUDA tensors at P = 2; and a step makes no more host synchronisations with it than
+without. On the CPU (``BAGUA_LITE_GPU_CHECK=cpu``) buckets have no stream: the runs must match trivially."""
+import datetime
+import os
+import traceback
+
+import pytest
+import torch
+
+from algo_matrix import build_model, loss_of, pick, weights
+from gpu_device import DEVICE, spawn_ranks
+
+ALGORITHMS = pick("dense", "fp16", "uint8", "topk", "gtopk", "powersgd", "local_sgd", "diloco", "streaming_diloco")
+STEPS = 6
+SIZES = (32, 64, 64, 8)
+BACKENDS = [("nccl", 1), ("gloo", 2)] if DEVICE == "cuda" else [("gloo", 2)]
+
+
+def _worker(rank, P, backend, device, stream, store_path, results):
+    try:
+        os.environ["BAGUA_LITE_ENGINE_STREAM"] = stream  # read when an engine is made: before any model
+        import torch.distributed as dist
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        dist.init_process_group(backend, store=dist.FileStore(store_path, P), rank=rank, world_size=P,
+                                timeout=datetime.timedelta(seconds=120))
+        out = {}
+        for key, (name, options) in ALGORITHMS.items():
+            try:
+                net, opt, model = build_model(name, options, device=dev, sizes=SIZES, weight_decay=1e-4)
+                for step in range(STEPS):
+                    loss_of(model, rank, step, SIZES, device=dev).backward()
+                    opt.step()
+                    opt.zero_grad()
+                model.close()
+                out[key] = weights(net).numpy()
+            except Exception:  # noqa: BLE001 - a row of the table, not the end of the run
+                out[key] = traceback.format_exc(limit=3)
+        dist.destroy_process_group()
+        results.put((rank, out))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, {"__fatal__": traceback.format_exc()}))
+
+
+@pytest.mark.parametrize("backend,P", BACKENDS, ids=[f"{b}-P{p}" for b, p in BACKENDS])
+def test_engine_stream_changes_no_weight(dev, backend, P):
+    off, codes_off = spawn_ranks(_worker, P, (backend, DEVICE, "0"))
+    on, codes_on = spawn_ranks(_worker, P, (backend, DEVICE, "1"))
+    assert len(off) == P and len(on) == P, (codes_off, codes_on)
+    failures = []
+    for r in range(P):
+        for key in ALGORITHMS:
+            a, b = off[r].get(key), on[r].get(key)
+            if isinstance(a, str) or isinstance(b, str) or a is None or b is None:
+                failures.append(f"rank {r} {key}: {str(a if isinstance(a, str) else b).strip().splitlines()[-1:]}")
+            elif not torch.equal(torch.from_numpy(a), torch.from_numpy(b)):
+                failures.append(f"rank {r} {key}: weights differ with the engine's stream")
+    assert not failures, failures
