@@ -2,6 +2,7 @@
 against hand counts, the measured step at P = 1, the bound of a cell, and the command's files and refusals."""
 import json
 import math
+import statistics
 import os
 import subprocess
 import sys
@@ -21,16 +22,22 @@ def _rows(plain=20.0, ddp=22.0, **ours):
     return rows
 
 
-def test_dense_ring_sends_two_n_minus_one_over_n_of_the_gradient_through_each_node():
-    for P, G in ((16, 8), (32, 8), (24, 8), (4, 1)):
-        N = P // G
+def test_dense_ring_sends_two_p_minus_one_over_p_of_the_gradient_through_each_node():
+    for P, G in ((16, 8), (32, 8), (24, 8), (4, 1), (4, 2)):
         nbytes, msgs, inside = pg.exchange("dense", {"wire": "fp32"}, N_PARAMS, P, G)
-        assert nbytes == pytest.approx(2 * (N - 1) / N * 4 * N_PARAMS) and msgs == 2 * (N - 1)
-        assert (inside > 0) == (G > 1)
-    # one node: nothing crosses
+        # one ring through every rank: each node's link carries what every edge carries
+        assert nbytes == pytest.approx(2 * (P - 1) / P * 4 * N_PARAMS) and msgs == 2 * (P - 1) and inside == 0.0
+    # one node: nothing crosses, the ring runs at the inside constants
     assert pg.exchange("dense", {"wire": "fp16"}, N_PARAMS, 8, 8)[:2] == (0.0, 0)
+    assert pg.exchange("dense", {"wire": "fp16"}, N_PARAMS, 8, 8)[2] == pytest.approx(
+        14 * pg.ALPHA_IN + 14 / 8 * 2 * N_PARAMS * pg.BETA_IN)
+    # hierarchical: a reduce to each node's leader, a ring of the N leaders, a broadcast back
+    assert pg.traffic_of("gradient_allreduce", {"hierarchical": True})[0] == ("hierarchical", {"wire": "fp32"})
+    W = 4 * N_PARAMS
+    assert pg.exchange("hierarchical", {"wire": "fp32"}, N_PARAMS, 8, 2) == pytest.approx(
+        (2 * 3 / 4 * W, 6, 2 * (pg.ALPHA_IN + W * pg.BETA_IN)))
     # a codec's bytes are its wire format's
-    assert pg.exchange("dense", {"wire": "minmax_uint8"}, N_PARAMS, 16, 8)[0] == pytest.approx(N_PARAMS + 8)
+    assert pg.exchange("dense", {"wire": "minmax_uint8"}, N_PARAMS, 16, 8)[0] == pytest.approx(15 / 8 * (N_PARAMS + 8))
 
 
 def test_gtopk_crosses_nodes_in_log2_n_rounds_of_every_gpus_pairs():
@@ -43,7 +50,11 @@ def test_gtopk_crosses_nodes_in_log2_n_rounds_of_every_gpus_pairs():
     # topk gathers every rank's pairs: its bytes grow with P, gtopk's with log P
     t = [pg.exchange("topk", {"density": 0.001}, N_PARAMS, P, 8)[0] for P in (32, 256)]
     g = [pg.exchange("gtopk", {"density": 0.001}, N_PARAMS, P, 8)[0] for P in (32, 256)]
-    assert t[1] / t[0] > 8 and g[1] / g[0] == pytest.approx(5 / 2)  # log2 of 32 nodes over log2 of 4
+    assert t == [31 * 8 * k, 255 * 8 * k]  # NCCL's ring allgather: (P - 1) pairs through each node's link
+    assert g[1] / g[0] == pytest.approx(5 / 2)  # log2 of 32 nodes over log2 of 4
+    # gloo's allgather sends each rank's pairs to each rank of the other nodes: G (P - G) of them leave a node
+    direct = dict(pg.LINKS, allgather="direct")
+    assert pg.exchange("topk", {"density": 0.001}, N_PARAMS, 8, 2, links=direct)[:2] == (2 * 6 * 8 * k, 6)
 
 
 def test_powersgd_sends_rank_r_factors_and_whole_vectors():
@@ -101,3 +112,66 @@ def test_powersgd_shapes_are_the_measured_models(model):
         assert sum(math.prod(s) for s in shapes) == n
     with pytest.raises(ValueError, match=r"project_gpu: 12345 parameters is neither size of gpu_step's"):
         pg.reference_shapes(model, 12345)
+
+
+# ---- project_check: the link model against the benchmark's runs in nodes --------------------------------------
+def _net(network, P, alpha, beta):
+    return {"kind": "network", "network": network, "world_size": P, "alpha": alpha, "beta": beta, "host_local": False,
+            "machine": {}}
+
+
+def _cell(network, P, label, name, options, step, floor, numel=N_PARAMS):
+    return {"kind": "cell", "network": network, "world_size": P, "model": "m", "algorithm": name, "label": label,
+            "options": options, "optimizer": "sgd", "straggler": "none", "floor_s": floor, "repeat": 0,
+            "numel": numel, "batch_size": 8, "times": [step] * 4, "rank_times": [[step] * 4] * P, "loss": 1.0,
+            "waits": [], "busy": [], "bytes": [0] * 4, "tx_bytes": [None] * 4, "picked": None, "cycle": 1,
+            "asynchronous": False}
+
+
+def test_check_predicts_each_emulated_cell_from_the_constants_measured_in_its_run():
+    from bagua_lite.bench import project_check as pc
+
+    a_in, b_in, a_out = 2e-3, 1 / 2e9, 5e-3
+    nodes = [_net("loopback", 4, a_in, b_in), _net("1gbit", 4, a_out, 1 / 1e8),
+             _cell("loopback", 4, "local_sgd(period=4)", "local_sgd", {"period": 4}, 0.5, 0.4),
+             _cell("1gbit", 4, "local_sgd(period=4)", "local_sgd", {"period": 4}, 0.5, 0.4),
+             _cell("1gbit", 4, "ddp", "ddp", {}, 0.5, 0.4)]
+    single = [_cell("loopback", 1, "local_sgd(period=4)", "local_sgd", {"period": 4}, 0.13, 0.1),
+              _cell("loopback", 1, "ddp", "ddp", {}, 0.1, 0.1)]
+    cells = pc.check(nodes, single, 2)
+    assert [(c["network"], c["row"]) for c in cells] == [("1gbit", "local_sgd(period=4)"), ("1gbit", "ddp")]
+    c = cells[0]
+    # by hand: 2 nodes of 2; the fp32 weights' ring through the 4 ranks every 4 steps, each of its 6 steps
+    # waiting for the 1 Gbit/s link that leaves the node; the own cost 0.03 s at P = 1, scaled by 0.4 / 0.1
+    W = 4 * N_PARAMS
+    ring = 2 * 3 / 4 * W * 8 / 1e9 + 6 * a_out
+    assert c["predicted_s"] == pytest.approx(0.4 + 0.03 * 4 + ring / 4)
+    assert c["error"] == pytest.approx(abs(c["predicted_s"] - 0.5) / 0.5)
+    assert c["links"] == {"alpha_in": a_in, "beta_in": b_in, "alpha_out": a_out, "allgather": "direct"}
+    assert c["nodes"] == 2
+    per, overall = pc.medians(cells)
+    assert set(per) == {("1gbit", 4)} and overall == pytest.approx(statistics.median(x["error"] for x in cells))
+
+    with pytest.raises(ValueError, match=r"needs the loopback network at P = 4"):
+        pc.check(nodes[1:], single, 2)
+    with pytest.raises(ValueError, match=r"the row 'ddp' was not measured at P = 1"):
+        pc.check(nodes, single[:1], 2)
+    with pytest.raises(ValueError, match=r"the row 'topk' needs its option 'density'"):
+        pc.bench_traffic("topk", {})
+    with pytest.raises(ValueError, match=r"no traffic model for the row 'decentralized'"):
+        pc.bench_traffic("decentralized", {})
+
+
+def test_check_command_writes_its_table_and_refuses_what_it_cannot_check(tmp_path):
+    nodes = [_net("loopback", 4, 1e-3, 1e-9), _net("1gbit", 4, 2e-3, 1e-8),
+             _cell("1gbit", 4, "ddp", "ddp", {}, 0.5, 0.4)]
+    single = [_cell("loopback", 1, "ddp", "ddp", {}, 0.1, 0.1)]
+    for name, recs in (("nodes.jsonl", nodes), ("single.jsonl", single)):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cmd = [sys.executable, "-m", "bagua_lite.bench.project_check", "--nodes", "nodes.jsonl", "--single", "single.jsonl"]
+    proc = subprocess.run(cmd + ["--ranks-per-node", "2", "--out", "o"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "| 1gbit | 4 (2) | ddp |" in proc.stdout and "median error, every cell:" in proc.stdout
+    assert json.loads((tmp_path / "o" / "check.json").read_text())[0]["row"] == "ddp"
+    bad = subprocess.run(cmd + ["--ranks-per-node", "3"], cwd=tmp_path, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--ranks-per-node 3 does not divide P = [4]" in bad.stderr

@@ -9,15 +9,21 @@ loop's step, which is the compute, and each row's step; a row's time over the pl
 step (hooks, bucket copies, codecs, selection), which it pays at any P. What is modelled: the links.
 
 The cluster: P GPUs, G per node, N = P / G nodes. Inside a node NVLink-class links (``ALPHA_IN``, ``BETA_IN``:
-stated constants, not measured here); between nodes one link of R Gbit/s per node (``ALPHA_OUT``), shared by
-the node's G GPUs (``nics`` links per node divide the time). A message of m bytes costs alpha + m beta.
+stated constants, not measured here; ``project_check`` passes measured ones); between nodes one link of R
+Gbit/s per node (``ALPHA_OUT``), shared by the node's G GPUs (``nics`` links per node divide the time). A message of m bytes costs alpha + m beta.
 Per step, with n gradient elements, W the bytes of a whole gradient on the wire and k = density n pairs of
 8 bytes (a float32 value and an int32 index):
-- dense ring (DDP, its fp16 hook, gradient_allreduce with a codec; W = 4n, 2n, n + 8, n / 8 + 4):
-  reduce-scatter and all-gather inside the node, then a ring across the nodes, as NCCL's rings do:
-  2 (N-1)/N W bytes and 2 (N-1) messages through each node's link, 2 (G-1)/G W inside it;
-- topk: every rank's k pairs reach every other rank (an allgather): (N-1)/N P k 8 bytes through each node's
-  link, N - 1 messages;
+- dense ring (DDP, its fp16 hook, gradient_allreduce with a codec; W = 4n, 2n, n + 8, n / 8 + 4): one
+  ring through all P ranks, node after node, as NCCL's ring algorithm and gloo's ring allreduce run it:
+  each node's link carries 2 (P-1)/P W bytes in 2 (P-1) messages, and the edges inside the node run at
+  the same time (one node: 2 (G-1)/G W at the inside constants). A hierarchical allreduce (Horovod's,
+  BAGUA's) would send 2 (N-1)/N W: half as much at N = 2, within 7% of the ring from N = 16;
+- gradient_allreduce ``hierarchical``: a reduce to each node's leader, a ring of the N leaders, a broadcast
+  back: 2 (N-1)/N W through each node's link in 2 (N-1) messages, and a reduce and a broadcast of W inside;
+- topk: every rank's k pairs reach every other rank (an allgather): NCCL's ring passes each rank's pairs
+  once through every edge, (P-1) k 8 bytes through each node's link in P - 1 messages; gloo's allgather
+  (``LINKS["allgather"] = "direct"``, project_check) sends each rank's pairs to each rank of the other
+  nodes, G (P-G) k 8 bytes;
 - gtopk: recursive doubling, log2 P rounds of k pairs; the log2 N rounds whose partner is in another node
   send all G GPUs' pairs through the node's link at once (G k 8 bytes a round), the log2 G others stay
   inside (P not a power of two: the next one up);
@@ -48,13 +54,19 @@ from .plot import pyplot
 
 ALPHA_IN, BETA_IN = 5e-6, 1 / 150e9   # inside a node: NVLink-class, per GPU
 ALPHA_OUT = 25e-6                     # between nodes, per message
+# project_check passes measured constants, and gloo's allgather ("direct")
+LINKS = {"alpha_in": ALPHA_IN, "beta_in": BETA_IN, "alpha_out": ALPHA_OUT, "allgather": "ring"}
 BACKWARD_FRACTION = 0.66              # the share of a step that is backward (the overlap window)
 BUCKET_BYTES = 25 * 2**20
 
 def traffic(row):
     """((kind of traffic, its options), (algorithm, options) for its steps to target) of one of gpu_step's rows:
     what the row sends, in the terms of the module docstring, read from the row's own algorithm and options."""
-    name, options = gpu_step.ROWS[row]
+    return traffic_of(*gpu_step.ROWS[row])
+
+
+def traffic_of(name, options):
+    """``traffic`` of an algorithm (or ``ddp`` with ``hook`` None, fp16 or powersgd) and its options."""
     if name == "ddp":
         hook = options.get("hook")
         if hook == "powersgd":
@@ -68,7 +80,8 @@ def traffic(row):
         return ("periodic", {"period": options["period"]}), (name, options)
     # gradient_allreduce and qadam: a dense ring of their codec's bytes (qadam's default codec: fp16)
     codec = options.get("compression", "fp16" if name == "qadam" else "none")
-    return ("dense", {"wire": "fp32" if codec == "none" else codec}), (name, {})
+    kind = "hierarchical" if options.get("hierarchical") else "dense"
+    return (kind, {"wire": "fp32" if codec == "none" else codec}), (name, {})
 
 
 def projectable(row):
@@ -99,32 +112,50 @@ def link(P, G, gbits, nics=1):
     return 8 / (gbits * 1e9 * nics)
 
 
-def exchange(kind, options, n, P, G, shapes=None):
+def exchange(kind, options, n, P, G, shapes=None, links=None):
     """(bytes through a node's link, messages across nodes, seconds inside the node) of one exchange."""
+    links = links or LINKS
+    a_in, b_in = links["alpha_in"], links["beta_in"]
     g = min(G, P)
     N = max(1, P // g)
-    if kind in ("dense", "periodic", "powersgd"):
+    if kind in ("dense", "periodic", "powersgd", "hierarchical"):
         if kind == "powersgd":
             W = powersgd_bytes(shapes, options["rank"])
         else:
             W = wire(options.get("wire", "fp32"), n)
-        inside = (2 * (g - 1) * ALPHA_IN + 2 * (g - 1) / g * W * BETA_IN) if g > 1 else 0.0
-        return 2 * (N - 1) / N * W, 2 * (N - 1), inside
+        if kind == "hierarchical":  # reduce to the node's leader, a ring of the N leaders, broadcast back
+            inside = 2 * (math.ceil(math.log2(g)) * a_in + W * b_in) if g > 1 else 0.0
+            return (2 * (N - 1) / N * W, 2 * (N - 1), inside) if N > 1 else (0.0, 0, inside)
+        if N == 1:
+            return 0.0, 0, (2 * (g - 1) * a_in + 2 * (g - 1) / g * W * b_in) if g > 1 else 0.0
+        # one ring through every rank, node after node: each of its 2 (P-1) steps waits for the edge that
+        # leaves the node, and the edges inside run at the same time
+        return 2 * (P - 1) / P * W, 2 * (P - 1), 0.0
     k = k_of(options["density"], n)
     pairs = 8 * k
     if kind == "topk":
-        inside = ((g - 1) * ALPHA_IN + (g - 1) * pairs * BETA_IN) if g > 1 else 0.0
-        return (N - 1) / N * P * pairs, N - 1, inside
+        if N == 1:
+            return 0.0, 0, ((g - 1) * a_in + (g - 1) * pairs * b_in) if g > 1 else 0.0
+        if links.get("allgather", "ring") == "ring":  # NCCL's: every rank's pairs pass each edge once
+            return (P - 1) * pairs, P - 1, 0.0
+        return g * (P - g) * pairs, P - g, 0.0  # direct (gloo's): each rank's pairs to each rank of the other nodes
     if kind == "gtopk":
         rounds_out = math.ceil(math.log2(N)) if N > 1 else 0
         rounds_in = math.ceil(math.log2(g)) if g > 1 else 0
-        return rounds_out * g * pairs, rounds_out, rounds_in * (ALPHA_IN + pairs * BETA_IN)
+        return rounds_out * g * pairs, rounds_out, rounds_in * (a_in + pairs * b_in)
     raise ValueError(f"project_gpu: unknown traffic kind {kind!r}")
 
 
-def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None):
-    """One cell: s/step and its parts, and what bounds it."""
-    (kind, options), _ = traffic(row)
+def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None, links=None):
+    """One cell of gpu_step's ``row``: s/step and its parts, and what bounds it (``project_traffic``)."""
+    return project_traffic(traffic(row)[0], measured, plain_s, n, P, G, gbits, nics, shapes, links)
+
+
+def project_traffic(traffic_kind, measured, plain_s, n, P, G, gbits, nics=1, shapes=None, links=None):
+    """One cell: s/step and its parts, and what bounds it. ``measured``: the row's step at P = 1 (its own
+    cost is that over ``plain_s``, the compute); ``links``: LINKS's keys (default: LINKS)."""
+    kind, options = traffic_kind
+    links = links or LINKS
     beta_out = link(P, G, gbits, nics)
     own = max(0.0, measured - plain_s)
     if P == 1:
@@ -133,12 +164,12 @@ def project_row(row, measured, plain_s, n, P, G, gbits, nics=1, shapes=None):
     buckets = max(1, math.ceil(4 * n / BUCKET_BYTES))
     numels = [n // buckets + (1 if i < n % buckets else 0) for i in range(buckets)]
     if kind == "powersgd":  # one round over every matrix: a ring of the P factors, then one of the Qs
-        nbytes, msgs, inside = exchange(kind, options, n, P, G, shapes)
+        nbytes, msgs, inside = exchange(kind, options, n, P, G, shapes, links)
         msgs, inside = 2 * msgs, 2 * inside
     else:  # bucket by bucket, each its own exchange (its own latencies)
-        per = [exchange(kind, options, b, P, G) for b in numels]
+        per = [exchange(kind, options, b, P, G, links=links) for b in numels]
         nbytes, msgs, inside = (sum(x[j] for x in per) for j in range(3))
-    bw, lat = nbytes * beta_out, msgs * ALPHA_OUT + inside
+    bw, lat = nbytes * beta_out, msgs * links["alpha_out"] + inside
     if kind == "periodic":
         H = options["period"]
         exposed_bw, exposed_lat = bw / H, lat / H
@@ -205,6 +236,15 @@ def table(cells, gbits):
     return "\n".join(lines)
 
 
+def write_table(out_dir, stem, cells, text):
+    """``stem``.json (the cells) and ``stem``.md (the printed table) in ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(cells, f, indent=1)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(text + "\n")
+
+
 def plot(cells, path):
     """x DDP to target against P, one panel per link speed, a line per row (torch's rows grey, dashed)."""
     plt = pyplot()
@@ -266,11 +306,7 @@ def main(argv=None):
     text = "\n\n".join(table(cells, g) for g in gbits)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "projection.json"), "w") as f:
-            json.dump(cells, f, indent=1)
-        with open(os.path.join(args.out, "projection.md"), "w") as f:
-            f.write(text + "\n")
+        write_table(args.out, "projection", cells, text)
         plot(cells, os.path.join(args.out, "projection.png"))
     return cells
 
