@@ -60,6 +60,10 @@ timeout 300 "$PY" -m bagua_lite.bench.kernels --device "$device" --sizes "$sizes
 if [ "$device" = cuda ]; then step_args=""; else step_args="--small --steps 3 --warmup 1"; fi
 timeout 300 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --models gpt,resnet18 --json "$OUT/step.json" \
   2>&1 | tee "$OUT/step.txt" || rc=$?
+# the engine's own stream (opt-in until measured): the same step, DDP and our dense and fp16 rows beside it
+BAGUA_LITE_ENGINE_STREAM=1 timeout 200 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --models gpt \
+  --rows "plain,ddp,gradient_allreduce,gradient_allreduce fp16,topk 0.001" --json "$OUT/step_engine_stream.json" \
+  2>&1 | tee "$OUT/step_engine_stream.txt" || rc=$?
 # the step table projected to GPU clusters (8-256 GPUs, 1-100 Gbit/s between nodes; docs/cost_model.md)
 "$PY" -m bagua_lite.bench.project_gpu --step "$OUT/step.json" > "$OUT/projection.txt" 2>&1 || rc=$?
 echo "gpu_check: $(( $(date +%s) - start )) s in all (device: $device); tables: $OUT/gpu_check_kernels.md, $OUT/gpu_check_algorithms.md" | tee -a "$OUT/pytest.log"

@@ -16,6 +16,20 @@ def device():
     return torch.device("cuda", 0) if DEVICE == "cuda" else torch.device("cpu")
 
 
+def join_group(rank, P, backend, device, store_path):
+    """In a spawned rank: the rank's device (GPU 0 for every rank: one GPU), and the process group joined
+    through the file store at ``store_path``."""
+    import datetime
+
+    import torch.distributed as dist
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+    dist.init_process_group(backend, store=dist.FileStore(store_path, P), rank=rank, world_size=P,
+                            timeout=datetime.timedelta(seconds=120))
+    return dev
+
+
 def spawn_ranks(worker, P, args, timeout=240):
     """Start ``P`` spawned processes running ``worker(rank, P, *args, store_path, results)`` (each joins a
     process group through the file store at ``store_path`` and puts ``(rank, out)`` on ``results``), and

@@ -9,14 +9,13 @@ continuous in the gradient (CUDA and CPU sum in other orders: about 1e-7 per ope
 steps), ``DISCONTINUOUS`` where a rounding can flip a selection, a sign or Adam's normalised step. Both are
 first guesses until a GPU run measures them; the table prints what was measured.
 """
-import datetime
 import traceback
 
 import pytest
 import torch
 
-from algo_matrix import CENTRALIZED, DISCONTINUOUS, build_model, loss_of, pick, weights
-from gpu_device import DEVICE, spawn_ranks
+from algo_matrix import CENTRALIZED, DISCONTINUOUS, pick, train
+from gpu_device import DEVICE, join_group, spawn_ranks
 
 ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "powersgd", "qadam",
                   "decentralized", "decentralized_all", "low_precision_decentralized", "local_sgd", "diloco",
@@ -30,23 +29,13 @@ BACKENDS = [("nccl", 1), ("cpu:gloo,cuda:nccl", 1), ("gloo", 2), ("gloo", 3)] if
 
 
 def _train(rank, dev, name, options):
-    net, opt, model = build_model(name, options, device=dev, sizes=SIZES, weight_decay=1e-4)
-    for step in range(STEPS):
-        loss_of(model, rank, step, SIZES, device=dev).backward()
-        opt.step()
-        opt.zero_grad()
-    model.close()
-    return weights(net)
+    return train(rank, name, options, steps=STEPS, device=dev, sizes=SIZES, weight_decay=1e-4)
 
 
 def _worker(rank, P, backend, device, store_path, results):
     try:
         import torch.distributed as dist
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        dist.init_process_group(backend, store=dist.FileStore(store_path, P), rank=rank, world_size=P,
-                                timeout=datetime.timedelta(seconds=120))
+        dev = join_group(rank, P, backend, device, store_path)
         out = {}
         for key, (name, options) in ALGORITHMS.items():
             try:

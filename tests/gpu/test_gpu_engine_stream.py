@@ -2,15 +2,14 @@
 change only, so every algorithm's weights are bit for bit those of the run without it, under NCCL at P = 1
 and over gloo with CUDA tensors at P = 2; and a step makes no more host synchronisations with it than
 without. On the CPU (``BAGUA_LITE_GPU_CHECK=cpu``) buckets have no stream: the runs must match trivially."""
-import datetime
 import os
 import traceback
 
 import pytest
 import torch
 
-from algo_matrix import build_model, loss_of, pick, weights
-from gpu_device import DEVICE, spawn_ranks
+from algo_matrix import pick, train
+from gpu_device import DEVICE, join_group, spawn_ranks
 
 ALGORITHMS = pick("dense", "fp16", "uint8", "topk", "gtopk", "powersgd", "local_sgd", "diloco", "streaming_diloco")
 STEPS = 6
@@ -22,21 +21,11 @@ def _worker(rank, P, backend, device, stream, store_path, results):
     try:
         os.environ["BAGUA_LITE_ENGINE_STREAM"] = stream  # read when an engine is made: before any model
         import torch.distributed as dist
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        dist.init_process_group(backend, store=dist.FileStore(store_path, P), rank=rank, world_size=P,
-                                timeout=datetime.timedelta(seconds=120))
+        dev = join_group(rank, P, backend, device, store_path)
         out = {}
         for key, (name, options) in ALGORITHMS.items():
             try:
-                net, opt, model = build_model(name, options, device=dev, sizes=SIZES, weight_decay=1e-4)
-                for step in range(STEPS):
-                    loss_of(model, rank, step, SIZES, device=dev).backward()
-                    opt.step()
-                    opt.zero_grad()
-                model.close()
-                out[key] = weights(net).numpy()
+                out[key] = train(rank, name, options, steps=STEPS, device=dev, sizes=SIZES, weight_decay=1e-4).numpy()
             except Exception:  # noqa: BLE001 - a row of the table, not the end of the run
                 out[key] = traceback.format_exc(limit=3)
         dist.destroy_process_group()

@@ -8,13 +8,12 @@ Per algorithm and (backend, P): the device run's final full weights against the 
 mesh shape, data and seeds, as the largest difference relative to the largest weight; replicas bit for bit
 equal where the algorithm keeps them so. Tolerances as tests/gpu/test_gpu_algorithms.py's.
 """
-import datetime
 import traceback
 
 import pytest
 import torch
 
-from gpu_device import DEVICE, spawn_ranks
+from gpu_device import DEVICE, join_group, spawn_ranks
 
 ALGORITHMS = {
     "hsdp_identity": ("gradient_allreduce", {}),
@@ -59,11 +58,7 @@ def _train(rank, device, R, S, name, options):
 def _worker(rank, P, backend, device, R, S, store_path, results):
     try:
         import torch.distributed as dist
-        if device == "cuda":
-            torch.cuda.set_device(0)
-        dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
-        dist.init_process_group(backend, store=dist.FileStore(store_path, P), rank=rank, world_size=P,
-                                timeout=datetime.timedelta(seconds=120))
+        dev = join_group(rank, P, backend, device, store_path)
         out = {}
         for key, (name, options) in ALGORITHMS.items():
             try:
