@@ -68,6 +68,9 @@ class GradientAllReduce(Algorithm):
         self.register_state("residuals", [r for r in self.residuals if r is not None], rollback=True)
         if self.hierarchical:
             self._node_groups(model)
+        # decided once, not in every gradient hook
+        self._prescaled = self._cast_allreduce() or (not self.hierarchical and self.compression == "none"
+                                                     and not model.sharded)
 
     def _node_groups(self, model):
         """The groups inside each node and among the node leaders (collective)."""
@@ -108,7 +111,7 @@ class GradientAllReduce(Algorithm):
         return self.compression == "fp16" and not self.hierarchical
 
     def on_gradient(self, bucket, position, grad):
-        if self._cast_allreduce() or (not self.hierarchical and self.compression == "none" and not self.model.sharded):
+        if self._prescaled:
             # Dense: scale by 1/P on the way into the bucket and allreduce the sum, so the average costs no
             # extra pass over the bucket (DDP does the same; the result is sum_i(g_i / P)).
             return self.fill(bucket, position, grad, 1.0 / self.world_size)

@@ -81,13 +81,17 @@ class Scheduler:
             elif self._local_bad is None and not _C.all_finite(p.grad):
                 self._local_bad = p
             return
-        self._start_backward()
+        if not self._backward_active:
+            self._start_backward()
         bi, j = self._slot[p]
-        self._hand_over(self.buckets[bi], j, p)
-        if not self._marked[bi][j]:
-            self._marked[bi][j] = True
+        b = self.buckets[bi]
+        self._hand_over(b, j, p)
+        marked = self._marked[bi]
+        if not marked[j]:
+            marked[j] = True
             self._ready[bi] += 1
-        self._submit_ready()
+            if bi == self._next_bucket and self._ready[bi] == len(b.params):
+                self._submit_ready()  # only a bucket that just completed can start the next ones
 
     def _start_backward(self):
         if not self._backward_active:
@@ -111,7 +115,9 @@ class Scheduler:
         if self._round_scales is not None and p.grad is not None:
             p.grad.mul_(self._round_scales[1])
         self.algorithm.on_gradient(b, j, p.grad)
-        p.grad = b.view(j)
+        view = b.view(j)
+        if p.grad is not view:  # autograd accumulated into the slot itself: the setter's checks are not needed
+            p.grad = view
 
     def _scaled(self, ops):
         """``ops``, then the bucket back at the loss scaler's scale (``_hand_over`` unscaled what went in), so
