@@ -74,16 +74,19 @@ class Bucket:
         sample = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE].clone()
         self._sealed = (self.flat._version, sample, idx)
 
-    def changed(self, inv_scale=None) -> bool:
-        """Whether the flat buffer was changed in place since :meth:`seal` (False if never sealed).
-        ``inv_scale``: the model's loss scaler's 1 / scale; its ``unscale_`` (exactly that rescale) is no change."""
+    def changed(self, inv_scale=None):
+        """Whether the flat buffer was changed in place since :meth:`seal`, without waiting for the device:
+        True or False where the host can tell (False if never sealed; True if the version counter moved),
+        else a 0-d bool tensor on the bucket's device. ``inv_scale``: the model's loss scaler's 1 / scale;
+        its ``unscale_`` (exactly that rescale) is no change."""
         if self._sealed is None:
             return False
         version, sample, idx = self._sealed
-        now = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE]
         if self.flat._version != version:
             return True
-        return not torch.equal(now, sample) and (inv_scale is None or not torch.equal(now, sample * inv_scale))
+        now = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE]
+        moved = (now != sample).any()  # NaN != NaN: a NaN written in place counts as a change
+        return moved if inv_scale is None else moved & (now != sample * inv_scale).any()
 
     def nbytes(self) -> int:
         return self.numel * self.flat.element_size()
@@ -99,7 +102,11 @@ def refuse_changed(who: str, buckets, holds: str, instead: str, scaler=None) -> 
     of the model's own ``scaler`` is expected (the model handed ``.grad`` over at the scaler's scale). Every
     rank runs the same check, so every rank refuses; ``instead``: what the user can do."""
     scales = _compat.scaler_scales(scaler)
-    if any(b.changed(None if scales is None else scales[1]) for b in buckets):
+    inv = None if scales is None else scales[1]
+    # one read for every bucket (one host synchronisation on a GPU, where a check per bucket made one each)
+    seen = [b.changed(inv) for b in buckets]
+    on_device = [d for d in seen if not isinstance(d, bool)]
+    if any(d is True for d in seen) or (on_device and bool(torch.stack(on_device).any())):
         scaler_hint = "; with a GradScaler, pass it: DistributedModel(..., grad_scaler=scaler)" if scaler is None \
             else " (the unscale_ of the model's grad_scaler is no change)"
         raise RuntimeError(f"{who}: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."
