@@ -178,6 +178,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       release());
 
   m.def(
+      "add_flagged_",
+      [](at::Tensor out, const at::Tensor& a, const at::Tensor& b, std::optional<at::Tensor> block_max,
+         int64_t block_offset, at::Tensor flag) {
+        kern::add_flagged_(out, a, b, block_max ? *block_max : at::Tensor(), block_offset, flag);
+      },
+      py::arg("out"), py::arg("a"), py::arg("b"), py::arg("block_max"), py::arg("block_offset"), py::arg("flag"),
+      release());
+  m.def(
+      "momentum_add_flagged_",
+      [](at::Tensor u_out, at::Tensor acc_out, const at::Tensor& u, const at::Tensor& residual,
+         std::optional<at::Tensor> g, double m, std::optional<at::Tensor> w, double wd,
+         std::optional<at::Tensor> block_max, int64_t block_offset, at::Tensor flag) {
+        kern::momentum_add_flagged_(u_out, acc_out, u, residual, g ? *g : at::Tensor(), m, w ? *w : at::Tensor(), wd,
+                                    block_max ? *block_max : at::Tensor(), block_offset, flag);
+      },
+      py::arg("u_out"), py::arg("acc_out"), py::arg("u"), py::arg("residual"), py::arg("g"), py::arg("m"),
+      py::arg("w"), py::arg("wd"), py::arg("block_max"), py::arg("block_offset"), py::arg("flag"), release());
+
+  m.def(
       "sparse_sgd_step_",
       [](const std::vector<at::Tensor>& params, const std::vector<int64_t>& offsets, const at::Tensor& flat,
          const at::Tensor& indices, const std::vector<double>& lrs) {

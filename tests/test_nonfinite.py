@@ -166,9 +166,10 @@ def test_nonfinite_gradient_on_one_rank(clusters, P, scaler_on):
         _check([r[label] for r in res], P, label, scaler_on)
 
 
-# the algorithms whose gradients go into their buckets through Bucket.fill: on a GPU their checks stay there
+# the algorithms whose gradients go into their buckets through Bucket.fill, or into topk/gtopk's error
+# feedback: on a GPU their checks stay there
 DEFERRED = ("gradient_allreduce", "fp16", "bytegrad", "sign_error_feedback", "hierarchical", "powersgd", "qadam",
-            "async_warmup")
+            "async_warmup", "topk", "topk_momentum_correction", "gtopk")
 
 
 def _r_deferred(rank, P, scaler_on):

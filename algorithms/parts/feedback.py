@@ -29,15 +29,24 @@ class SparseMemory:
     def add(self, bucket, position, grad, m=0.0, wd=0.0, block_max=None) -> bool:
         """The pass above for tensor ``position`` of ``bucket`` (``grad`` None: no gradient), raising
         ``block_max`` (if given) to acc's magnitudes on the way. False if ``grad`` held inf/NaN: then it
-        was left out (acc = residual, u' = m u)."""
+        was left out (acc = residual, u' = m u). With the bucket's ``nonfinite_flag`` (checks left on the
+        device) the answer goes there instead, read once per round at the agreement, and this returns True."""
         b = bucket.index
         lo = bucket.offsets[position]
         residual, acc = self._rv[b][position], self._av[b][position]
         g = None if grad is None else grad.reshape(-1)
+        flag = bucket.nonfinite_flag
         if self.momentum:
             w = bucket.params[position].detach().reshape(-1) if wd and g is not None else None
+            if flag is not None:
+                _C.momentum_add_flagged_(self._uv[b][position], acc, self._mv[b][position], residual, g, m, w, wd,
+                                         block_max, lo, flag)
+                return True
             return _C.momentum_add_checked(self._uv[b][position], acc, self._mv[b][position], residual, g, m, w, wd,
                                            block_max, lo) or g is None
+        if g is not None and flag is not None:
+            _C.add_flagged_(acc, residual, g, block_max, lo, flag)
+            return True
         if g is None:
             acc.copy_(residual)
             if block_max is not None:

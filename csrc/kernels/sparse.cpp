@@ -538,6 +538,62 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
 }
 
 namespace {
+void check_flag(const at::Tensor& flag, const at::Tensor& out, const char* fn) {
+  BL_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.device() == out.device(), fn,
+           ": `flag` must be one int32 on ", out.device(), ", got ", flag.numel(), " ", flag.scalar_type(), " on ",
+           flag.device());
+}
+
+// g's verdict folded into the flag on the device; the 0-d bool it returns chooses the outputs there.
+at::Tensor fold_nonfinite(const at::Tensor& g, at::Tensor& flag) {
+  at::Tensor bad = at::logical_not(at::isfinite(g).all());
+  flag.copy_(at::maximum(flag, bad.to(at::kInt)));
+  return bad;
+}
+}  // namespace
+
+void add_flagged_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& block_max,
+                  int64_t block_offset, at::Tensor& flag) {
+  check_flag(flag, out, "add_flagged_");
+  if (out.is_cpu()) {
+    if (!add_checked(out, a, b, block_max, block_offset)) flag.fill_(1);
+    return;
+  }
+  TORCH_CHECK(!block_max.defined(), "add_flagged_: block maxima are CPU-only, got a ", out.device(), " output");
+  TORCH_CHECK(out.numel() == a.numel() && a.numel() == b.numel(), "add_flagged_: sizes differ (out ", out.numel(),
+              ", a ", a.numel(), ", b ", b.numel(), ")");
+  const at::Tensor bad = fold_nonfinite(b, flag);
+  const at::Tensor av = a.view_as(out);
+  out.copy_(at::where(bad, av, av + b.view_as(out)));  // a temporary sum: out may alias a
+}
+
+void momentum_add_flagged_(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
+                           const at::Tensor& g, double m, const at::Tensor& w, double wd,
+                           const at::Tensor& block_max, int64_t block_offset, at::Tensor& flag) {
+  check_flag(flag, acc_out, "momentum_add_flagged_");
+  if (acc_out.is_cpu()) {
+    if (!momentum_add_checked(u_out, acc_out, u, residual, g, m, w, wd, block_max, block_offset)) flag.fill_(1);
+    return;
+  }
+  TORCH_CHECK(!block_max.defined(), "momentum_add_flagged_: block maxima are CPU-only, got a ", acc_out.device(),
+              " output");
+  const int64_t n = u_out.numel();
+  TORCH_CHECK(acc_out.numel() == n && u.numel() == n && residual.numel() == n && (!g.defined() || g.numel() == n) &&
+                  (!w.defined() || w.numel() == n),
+              "momentum_add_flagged_: sizes differ (u_out ", n, ", acc_out ", acc_out.numel(), ", u ", u.numel(),
+              ", residual ", residual.numel(), ")");
+  at::Tensor next = u.view_as(u_out) * m;  // the CPU kernel's order: (m u + g) + wd w
+  if (g.defined()) {
+    const at::Tensor bad = fold_nonfinite(g, flag);
+    at::Tensor with_g = next + g.view_as(u_out);
+    if (w.defined() && wd != 0.0) with_g = with_g + w.view_as(u_out) * wd;
+    next = at::where(bad, next, with_g);
+  }
+  u_out.copy_(next);
+  at::add_out(acc_out, residual.view_as(acc_out), u_out);
+}
+
+namespace {
 BL_ALWAYS_INLINE float fused_madd(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 BL_ALWAYS_INLINE double fused_madd(double a, double b, double c) { return __builtin_fma(a, b, c); }
 

@@ -67,6 +67,16 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
                           const at::Tensor& g, double m, const at::Tensor& w, double wd,
                           const at::Tensor& block_max = {}, int64_t block_offset = 0);
 
+// add_checked and momentum_add_checked whose answer stays on the device, as scale_flagged_'s: `flag` (one
+// int32 on out's device) is set to 1 where they would return false, and the outputs are theirs (a
+// non-finite g is left out). On a CPU tensor they run the checked kernels; on a device, ATen ops that
+// choose on the device (no block maxima there: those are CPU-only).
+void add_flagged_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& block_max,
+                  int64_t block_offset, at::Tensor& flag);
+void momentum_add_flagged_(at::Tensor& u_out, at::Tensor& acc_out, const at::Tensor& u, const at::Tensor& residual,
+                           const at::Tensor& g, double m, const at::Tensor& w, double wd,
+                           const at::Tensor& block_max, int64_t block_offset, at::Tensor& flag);
+
 // SGD's plain update (no momentum, no decay: the caller applied those) at the entries a sparse result
 // wrote, instead of a pass over every weight: for each distinct i in indices (int32 bucket positions,
 // duplicates applied once), the parameter p whose slot [offsets[p], offsets[p] + numel) holds i gets

@@ -144,8 +144,11 @@ def test_kernels_never_wait_for_the_device(dev, record):
                                              torch.empty(compressors.get_compressor(name).wire_bytes(x.numel()),
                                                          dtype=torch.uint8, device=dev))
             calls += 1
-        _C.scale_flagged_(out, x, 0.5, torch.zeros(1, dtype=torch.int32, device=dev))
-        calls += 1
+        flag = torch.zeros(1, dtype=torch.int32, device=dev)
+        _C.scale_flagged_(out, x, 0.5, flag)
+        _C.add_flagged_(out, out, x, None, 0, flag)  # topk/gtopk's error feedback with the check deferred
+        _C.momentum_add_flagged_(torch.empty_like(x), out.clone(), x, x, x, 0.9, x, 1e-4, None, 0, flag)
+        calls += 3
         idx = torch.randint(0, x.numel(), (3000,), device=dev, dtype=torch.int32)
         K.scatter_add_(out, x[:3000], idx)
         K.ef_remove_(out, idx)
@@ -233,6 +236,36 @@ def test_scale_flagged_on_the_device(dev, record):
                 ok &= torch.equal(out_c.view(torch.int32), out_d.cpu().view(torch.int32))
                 ok &= torch.equal(flag_c, flag_d.cpu())
     record("kernel scale_flagged_", "-", 1, ok, 0.0 if ok else float("nan"))
+    assert ok
+
+
+def test_error_feedback_flagged_on_the_device(dev, record):
+    """topk/gtopk's error-feedback add whose non-finite answer stays on the device (add_flagged_,
+    momentum_add_flagged_): outputs bit for bit the CPU's checked kernels' (a non-finite g left out), the
+    flag set exactly where they return False."""
+    ok = True
+    for n in SIZES[1:]:
+        for where in (None, 0, n - 1):
+            g = _x(n, 23)
+            if where is not None:
+                g[where] = float("nan")
+            a, u, w = _x(n, 24), _x(n, 25), _x(n, 26)
+            want = torch.empty(n)
+            good = _C.add_checked(want, a, g)
+            got, flag = torch.empty(n, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+            _C.add_flagged_(got, a.to(dev), g.to(dev), None, 0, flag)
+            ok &= torch.equal(want.view(torch.int32), got.cpu().view(torch.int32)) and int(flag) == (not good)
+            for wd in (0.0, 1e-4):
+                u_c, acc_c = torch.empty(n), torch.empty(n)
+                good = _C.momentum_add_checked(u_c, acc_c, u, a, g, 0.9, w, wd)
+                u_d, acc_d = torch.empty(n, device=dev), torch.empty(n, device=dev)
+                flag = torch.zeros(1, dtype=torch.int32, device=dev)
+                _C.momentum_add_flagged_(u_d, acc_d, u.to(dev), a.to(dev), g.to(dev), 0.9, w.to(dev), wd, None, 0, flag)
+                # a device may fuse m u + g into one rounding where the CPU rounds twice: equal within an ulp
+                ok &= torch.allclose(u_c, u_d.cpu(), rtol=1e-6, atol=1e-7) and torch.allclose(acc_c, acc_d.cpu(),
+                                                                                              rtol=1e-6, atol=1e-7)
+                ok &= int(flag) == (not good)
+    record("kernel add_flagged_, momentum_add_flagged_", "-", 1, ok, 0.0 if ok else float("nan"))
     assert ok
 
 
