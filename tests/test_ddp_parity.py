@@ -62,6 +62,9 @@ def _r_loop(rank, P, family):
     ddp_keys = ["module." + k for k in net.state_dict()]  # DDP's state_dict keys
     out = {"keys_match": list(model.state_dict()) == ddp_keys, "losses": [], "unused_grad_none": [],
            "aux_grad": []}
+    held = _batch(0, 1000)  # one held-out batch, the same on every rank, to tell whether the model learns
+    with torch.no_grad():
+        out["held_before"] = float(F.cross_entropy(net(held[0]), held[1]))
     for step in range(12):
         # gradient accumulation: one micro-batch under no_sync, the last one synchronised
         with model.no_sync():
@@ -86,6 +89,8 @@ def _r_loop(rank, P, family):
             with torch.no_grad():
                 model(_batch(0, 999)[0])
     model.close()
+    with torch.no_grad():
+        out["held_after"] = float(F.cross_entropy(net(held[0]), held[1]))
     out["frozen_unchanged"] = all(torch.equal(a, b) for a, b in zip(frozen0, net.frozen.parameters()))
     # gradient families leave it bit for bit; weight averaging may round it (sum of P equal values / P)
     out["unused_unchanged"] = all(torch.equal(a, b) for a, b in zip(unused0, net.unused.parameters()))
@@ -113,7 +118,11 @@ def test_ddp_users_loop_every_family(clusters):
                 f"{where}: a parameter no rank used moved"
             assert abs(o["lr"] - 3e-3 * 0.5 ** 3) < 1e-12, f"{where}: the LR scheduler did not run: {o['lr']}"
             assert all(torch.isfinite(torch.tensor(o["losses"]))), where
-            assert sum(o["losses"][-3:]) < sum(o["losses"][:3]), f"{where}: does not learn: {o['losses']}"
+            # on one fixed batch: each step's own batch differs in difficulty, and an asynchronous average
+            # lands when the clock says, so first against last training losses could tie by chance (they
+            # did, once in CI). Measured drops: 0.034-0.053, asynchronous 0.021-0.046 (three runs)
+            assert o["held_after"] < o["held_before"] - 0.005, \
+                f"{where}: does not learn: held-out loss {o['held_before']:.4f} -> {o['held_after']:.4f}"
             if family not in ("decentralized", "periodic", "asynchronous"):
                 # aux was used by rank 0 on even steps: every rank gets its averaged gradient then
                 assert o["aux_grad"][0::2] == [True] * 6, (where, o["aux_grad"])
