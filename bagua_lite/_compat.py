@@ -4,6 +4,9 @@ The rest of the package calls these and never tests ``torch.__version__`` itself
 twin in ``csrc/compat.h``. CI builds and runs a smoke subset against the oldest supported torch, so a
 newer-only API used anywhere else fails there before it lands.
 """
+import functools
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -62,3 +65,39 @@ def group_timeout(group):
         except Exception:  # noqa: BLE001  (no backend for that device, or one without options)
             continue
     return dist.default_pg_timeout
+
+
+def fsdp_reduce_dtype(unit):
+    """The dtype FSDP2 reduce-scatters ``unit``'s gradients in, and so hands its all-reduce hook: the
+    MixedPrecisionPolicy's reduce_dtype, else its param_dtype, else the parameters' own; None where this
+    torch keeps the policy elsewhere (the hook's own check then catches a mismatch). FSDP2 has no public
+    getter for the policy: this reads the attribute fully_shard stores it in (torch 2.11-2.13)."""
+    try:
+        policy = unit._get_fsdp_state()._mp_policy
+    except AttributeError:
+        return None
+    own = next((p.dtype for p in unit.parameters() if p.requires_grad), None)
+    reduce = policy.reduce_dtype or policy.param_dtype or own
+    return reduce if own is not None and own.is_floating_point else own
+
+
+def compiler_disable(fn):
+    """``torch.compiler.disable(fn)`` without importing dynamo at bagua_lite's import (2.5 s of every
+    process's start, on top of torch's own 2.3). Until something imports ``torch._dynamo`` nothing can trace
+    ``fn`` and it runs as it is; from then on it runs through torch's own disable, so a trace that inlines
+    the wrapper still stops at ``fn`` and runs it eagerly. The wrapper also carries the mark torch's disable
+    sets (2.11-2.13), so dynamo skips it outright. tests/test_loop_shapes.py checks both hooks are skipped."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True
+    call._torchdynamo_orig_callable = fn
+    return call

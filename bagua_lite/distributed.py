@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _control, accelerate_support, agreement, comm, elastic, launch, runtime, step_hooks
+from . import _C, _compat, _control, accelerate_support, agreement, comm, elastic, launch, runtime, step_hooks
 from ._ddp_type import DDPType
 from ._failfast import FailFast, PeerFailedError
 from ._groups import resolve_group
@@ -291,7 +291,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
 
     # Under torch.compile of the wrapped model only the module is traced: the hooks around it talk to the
     # engine, threads and the store, which dynamo cannot trace, and must run eagerly on every call.
-    @torch.compiler.disable
+    @_compat.compiler_disable
     def _pre_forward(self):
         if torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None:
             # Every rank is inside a DDP forward alike, so every rank raises here before any traffic of ours.

@@ -25,7 +25,7 @@ from ._failfast import PeerFailedError
 class Scheduler:
     """DistributedModel's part that runs the buckets during backward (a mixin: it shares the model's state)."""
 
-    @torch.compiler.disable
+    @_compat.compiler_disable
     def _post_forward(self, out):
         if torch.is_grad_enabled() and self._sync_enabled:
             # Arm the end-of-backward callback as soon as backward reaches the output, so a rank whose

@@ -9,8 +9,8 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+
+from . import _compat
 
 REPLICATE, SHARD = "replicate", "shard"  # the mesh dimension names torch's HSDP examples use
 
@@ -70,6 +70,10 @@ def resolve_groups(mesh, replicate_group, who: str):
 def find_units(module, shard_mesh, replicate_group, who: str) -> List[Unit]:
     """The FSDP units of ``module`` in module order, each with the parameters it owns; refuses a model
     that is not sharded by ``fully_shard`` over one shard dimension."""
+    # imported here, not with bagua_lite: FSDP2 and DTensor add 1 s to every process's import otherwise
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
     if not isinstance(module, FSDPModule):
         raise TypeError(f"{who}: the model must be sharded with torch.distributed.fsdp.fully_shard (over the shard "
                         f"dimension of the mesh) before it is handed over, got a {type(module).__name__} that is "
@@ -106,6 +110,14 @@ def find_units(module, shard_mesh, replicate_group, who: str) -> List[Unit]:
     out = []
     for name, m in units:
         mine = [(pname, p) for p, (unit, pname) in owner.items() if unit == name and p.requires_grad]
+        reduce = _compat.fsdp_reduce_dtype(m)
+        if mine and reduce is not None and reduce != mine[0][1].dtype:
+            raise ValueError(
+                f"{who}: unit {name or '<root>'!r} reduce-scatters its gradients in {reduce} (its "
+                f"MixedPrecisionPolicy), its parameters are {mine[0][1].dtype}: bagua_lite relaxes gradients in "
+                f"the parameters' dtype; keep the reduction in it, e.g. MixedPrecisionPolicy(param_dtype="
+                f"torch.bfloat16, reduce_dtype={mine[0][1].dtype}) (compute in bf16, the exchange then goes in the "
+                f"algorithm's codec: compression='bf16' or 'fp16' halves it)")
         if mine:
             out.append(Unit(len(out), name, m, mine, shards))
     return out

@@ -136,7 +136,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         step_hooks.watch_foreign_steps(self)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    @torch.compiler.disable
+    @_compat.compiler_disable
     def _pre_forward(self, _module, _args):
         self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
         if torch.is_grad_enabled():

@@ -8,8 +8,9 @@ its reason instead of training silently wrong.
 - A ``DistributedDataParallel`` (or another DistributedModel) inside: it would average every gradient a
   second time.
 """
+import sys
+
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 
@@ -22,8 +23,11 @@ def check_wrappable(module, who="DistributedModel"):
             raise ValueError(
                 f"{who}: {where} is a {type(m).__name__}, which averages gradients itself; wrapping it would "
                 f"average every gradient twice. Pass the plain module (the DDP's .module)")
+    # A DTensor exists only once torch.distributed.tensor is imported; importing it here would add 1 s to
+    # every process's import of bagua_lite.
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     for name, p in module.named_parameters():
-        if isinstance(p, DTensor):
+        if dtensor is not None and isinstance(p, dtensor):
             raise ValueError(
                 f"{who}: parameter {name!r} is a DTensor sharded over {p.device_mesh} (FSDP2's fully_shard or "
                 f"tensor parallelism), but a DistributedModel exchanges whole parameters and gradients, which "

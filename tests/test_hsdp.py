@@ -29,15 +29,18 @@ def _net():
                                torch.nn.Linear(13, 5))
 
 
-def _sharded(R, S, native=False):
+def _sharded(R, S, native=False, bf16=False):
+    """``bf16``: compute in bf16, reduce in fp32 (MixedPrecisionPolicy), the mixed precision ShardedModel takes."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     net = _net()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     for i in (0, 2, 4):
-        fully_shard(net[i], mesh=mesh if native else mesh["shard"])
-    fully_shard(net, mesh=mesh if native else mesh["shard"])
+        fully_shard(net[i], mesh=mesh if native else mesh["shard"], mp_policy=policy)
+    fully_shard(net, mesh=mesh if native else mesh["shard"], mp_policy=policy)
     return net, mesh
 
 
@@ -57,10 +60,11 @@ def _full(net):
     return [p.detach().full_tensor().clone() for p in net.parameters()]
 
 
-def _r_train(rank, world, R, S, spec, optimizer="sgd", after_step=None, frozen=False):
+def _r_train(rank, world, R, S, spec, optimizer="sgd", after_step=None, frozen=False, bf16=False):
     """Train STEPS steps; ``spec`` None: FSDP2's native HSDP. Returns the full weights after every step.
-    ``frozen``: the middle layer's bias does not train (FSDP2 leaves it out of the reduce-scatter)."""
-    net, mesh = _sharded(R, S, native=spec is None)
+    ``frozen``: the middle layer's bias does not train (FSDP2 leaves it out of the reduce-scatter).
+    ``bf16``: under a MixedPrecisionPolicy computing in bf16 and reducing in fp32."""
+    net, mesh = _sharded(R, S, native=spec is None, bf16=bf16)
     net[2].bias.requires_grad_(not frozen)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd" \
         else torch.optim.AdamW(net.parameters(), lr=0.01)
@@ -104,6 +108,17 @@ def test_identity_equals_native_hsdp(c4, c6, shape, optimizer):
         for step in range(STEPS):
             assert _equal(ours[rank][step], native[rank][step]), (rank, step)
     assert not _equal(native[0][0], native[0][-1])  # it trained
+
+
+def test_identity_equals_native_hsdp_in_mixed_precision(c4):
+    """bf16 compute with an fp32 reduction (MixedPrecisionPolicy): FSDP2 hands the hook fp32 gradients."""
+    native = c4.run(_r_train, 2, 2, None, "adamw", None, False, True)
+    ours = c4.run(_r_train, 2, 2, "gradient_allreduce", "adamw", None, False, True)
+    fp32 = c4.run(_r_train, 2, 2, None, "adamw")
+    for rank in range(4):
+        for step in range(STEPS):
+            assert _equal(ours[rank][step], native[rank][step]), (rank, step)
+    assert not _equal(native[0][-1], fp32[0][-1])  # bf16 compute did change the numbers
 
 
 def test_identity_equals_native_hsdp_with_a_frozen_parameter(c4):

@@ -44,12 +44,12 @@ def _net():
                                torch.nn.Linear(13, 5))
 
 
-def _sharded(R, S, native=False, timeout_s=None):
+def _sharded(R, S, native=False, timeout_s=None, mp_policy=None):
     """The tiny net, each Linear and the root fully_shard-ed over mesh["shard"] (``native``: over the 2-D mesh,
     FSDP2's own HSDP). ``timeout_s``: the mesh groups' timeout (init_device_mesh gives them torch's default,
-    30 minutes for gloo, not the default group's)."""
+    30 minutes for gloo, not the default group's). ``mp_policy``: FSDP2's MixedPrecisionPolicy for every unit."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     override = None
     if timeout_s is not None:
@@ -58,9 +58,10 @@ def _sharded(R, S, native=False, timeout_s=None):
         override = {"replicate": ("gloo", options), "shard": ("gloo", options)}
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"), backend_override=override)
     net = _net()
+    policy = mp_policy or MixedPrecisionPolicy()
     for i in (0, 2, 4):
-        fully_shard(net[i], mesh=mesh if native else mesh["shard"])
-    fully_shard(net, mesh=mesh if native else mesh["shard"])
+        fully_shard(net[i], mesh=mesh if native else mesh["shard"], mp_policy=policy)
+    fully_shard(net, mesh=mesh if native else mesh["shard"], mp_policy=policy)
     return net, mesh
 
 
@@ -472,6 +473,7 @@ REFUSALS = {
     "decentralized": ValueError,
     "qadam": ValueError,
     "gtopk_with_sgd_momentum_correction": ValueError,
+    "bf16_reduce_dtype": ValueError,  # a MixedPrecisionPolicy reducing in bf16 (param_dtype bf16, no reduce_dtype)
 }
 
 
@@ -501,6 +503,9 @@ def _r_refusal(rank, world, case):
 
     if case == "not_sharded":
         net, mesh = _net(), init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    elif case == "bf16_reduce_dtype":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        net, mesh = _sharded(2, 2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     else:
         net, mesh = _sharded(2, 2, native=case == "native_hsdp")
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
@@ -516,7 +521,7 @@ def _r_refusal(rank, world, case):
     dist.all_reduce(probe)  # the group still works: every rank is in step
     counted = _sequence_numbers(groups) != before  # the control: a collective does move the counters
     retrained = None
-    if case not in ("not_sharded", "native_hsdp"):  # the refused model itself, handed over again correctly
+    if case not in ("not_sharded", "native_hsdp", "bf16_reduce_dtype"):  # the refused model, handed over again
         mine, fresh = _train_gtopk(net, opt, mesh, rank), _train_gtopk(*_fresh_model_and_mesh(), rank)
         retrained = mine if isinstance(mine, str) else mine == fresh
     return error, traffic, counted, int(probe.item()), retrained

@@ -426,3 +426,33 @@ def test_auto_after_its_probe_is_its_pick_from_the_averaged_state(clusters, P):
                  {"name": "gradient_allreduce", "compression": "fp16"}, {"name": "powersgd", "rank": 2}):
         for r, (same, picked) in enumerate(clusters.get(P).run(_r_auto_after_probe, cand, 3, timeout=120)):
             assert same, f"{cand}: rank {r}: auto ({picked}) differs from its pick started from the averaged state"
+
+
+def _r_compiled_hooks(rank, world):
+    """dynamo's reasons for stopping its trace: of a compiled DistributedModel's forward, and of the same
+    forward with an op ahead of its first hook (a break before anything was traced is not reported)."""
+    net = Net()
+    model = bagua_lite.DistributedModel(net, _optimizer("sgd", net), "gradient_allreduce")
+    x, _ = _batch(rank, 0)
+
+    def forward_after_an_op(x):
+        y = x + 1
+        model._pre_forward()
+        out = model.module(y)
+        model._post_forward(out)
+        return out
+
+    reasons = []
+    for fn in (model, forward_after_an_op):
+        reasons += [f"{r.reason} at {r.user_stack[-1].line if r.user_stack else ''}"
+                    for r in torch._dynamo.explain(fn)(x).break_reasons]
+    model.close()
+    return reasons
+
+
+def test_compile_skips_the_hooks_around_the_module(clusters):
+    """bagua_lite imports no dynamo (_compat.compiler_disable): its hooks around the module still carry
+    torch.compiler.disable's marks, so a trace skips them (each runs eagerly) instead of tracing into them."""
+    reasons = clusters.get(1).run(_r_compiled_hooks)[0]
+    for hook in ("_pre_forward", "_post_forward"):
+        assert any("compiler.disable" in r and hook in r for r in reasons), (hook, reasons)
