@@ -1,12 +1,13 @@
 """Every training config in configs/ runs end to end through examples/train.py under torchrun, in its
-digits recipe where examples/digits/ has one (``bagua_lite.demo.digits_configs``):
+digits recipe where examples/digits/ has one (``bagua_lite.demo.digits_configs``), all of them in turn in
+one torchrun (a start of torchrun and its ranks costs more than a config's 2 epochs):
 
-    torchrun --standalone --nproc_per_node 2 examples/train.py --config examples/digits/gtopk.yaml --epochs 2
+    torchrun --standalone --nproc_per_node 2 examples/train.py --config <every config> --epochs 2
 
-(``torchrun`` is run as ``python -m torch.distributed.run`` of this interpreter.) Each config runs once:
-it must exit 0 (any other exit code fails, an abort at interpreter exit included) and rank 0 must print
-its ``test_accuracy=`` line with an accuracy well above chance (10 classes). Benchmark configs
-(``configs/benchmark*.yaml``) describe benchmark matrices, not a training run, and are left out.
+(``torchrun`` is run as ``python -m torch.distributed.run`` of this interpreter.) It must exit 0 (any other
+exit code fails every config, an abort at interpreter exit after any of them included), and for each config
+rank 0 must print its ``test_accuracy=`` line with an accuracy well above chance (10 classes). Benchmark
+configs (``configs/benchmark*.yaml``) describe benchmark matrices, not a training run, and are left out.
 """
 import math
 import os
@@ -32,26 +33,45 @@ def test_there_are_configs():
         assert required in names, names
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
-def test_example_runs_under_torchrun(path):
+@pytest.fixture(scope="module")
+def every_config_under_torchrun():
+    """(exit code, stdout, stdout and stderr) of one torchrun training every config in turn."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.join(ROOT, "examples", "train.py"), "--config", path, "--epochs", str(EPOCHS)]
+           os.path.join(ROOT, "examples", "train.py"), "--config", *CONFIGS, "--epochs", str(EPOCHS)]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30 * len(CONFIGS))
     except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{os.path.basename(path)}: torchrun did not finish in {e.timeout}s\n"
-                    f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-3000:]!r}")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{os.path.basename(path)}: exit code {proc.returncode}\n{out[-5000:]}"
-    matches = list(LINE.finditer(proc.stdout))
-    assert len(matches) == 1, f"expected exactly one result line (rank 0's), got {len(matches)}:\n{out[-5000:]}"
+        pytest.fail(f"torchrun did not finish in {e.timeout}s\n{(e.stdout or b'')[-3000:]!r}\n"
+                    f"{(e.stderr or b'')[-3000:]!r}")
+    return proc.returncode, proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_example_runs_under_torchrun(path, every_config_under_torchrun):
+    code, stdout, out = every_config_under_torchrun
+    name = os.path.basename(path)
+    assert code == 0, f"torchrun of every config: exit code {code}\n{out[-5000:]}"
+    matches = [m for m in LINE.finditer(stdout) if m["config"] == name]
+    assert len(matches) == 1, f"{name}: expected exactly one result line (rank 0's), got {len(matches)}:\n{out[-5000:]}"
     m = matches[0]
-    assert m["config"] == os.path.basename(path)
     assert int(m["world"]) == 2
     acc, loss = float(m["acc"]), float(m["loss"])
-    assert FLOOR < acc <= 1.0, f"{os.path.basename(path)}: test_accuracy={acc} (floor {FLOOR})\n{out[-3000:]}"
-    assert loss < math.log(10), f"{os.path.basename(path)}: final_loss={loss}: no better than uniform guessing"
+    assert FLOOR < acc <= 1.0, f"{name}: test_accuracy={acc} (floor {FLOOR})\n{out[-3000:]}"
+    assert loss < math.log(10), f"{name}: final_loss={loss}: no better than uniform guessing"
+
+
+def test_a_bad_config_among_several_stops_torchrun_before_any_training(tmp_path):
+    """Every config is checked before the process group starts: a bad one anywhere in the list trains none."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm:\n  name: gtopk\n  density: 2.0\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.join(ROOT, "examples", "train.py"), "--config", CONFIGS[0], str(bad), "--epochs", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert not LINE.search(proc.stdout), proc.stdout  # the first, valid config did not train
+    assert "density must be in (0, 1], got 2.0" in proc.stderr, proc.stderr[-3000:]
 
 
 def _elastic(tmp, tag, *extra):
