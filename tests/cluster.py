@@ -99,7 +99,10 @@ class RemoteError(RuntimeError):
         self.dead = list(dead)
 
 
-_PRELOAD = ["torch", "torch.distributed", "bagua_lite", "cluster"]
+# what the ranks would otherwise import each on its own: dynamo (torch.optim's constructors import it),
+# FSDP2 and DTensor (the HSDP tests); bagua_lite itself imports none of them
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.tensor",
+            "bagua_lite", "cluster"]
 
 
 def _context():

@@ -34,6 +34,16 @@ def test_digits_task_shards_an_epoch_without_overlap_and_replays_after_reset():
     assert torch.equal(tasks[0].batch(0)[0], first)
 
 
+def test_digits_are_scikit_learns_load_digits():
+    """The task reads scikit-learn's digits file itself (importing scikit-learn costs every rank 2 s)."""
+    from sklearn.datasets import load_digits
+
+    x, y = data._load_digits()
+    want_x, want_y = load_digits(return_X_y=True)
+    assert x.dtype == want_x.dtype and y.dtype == want_y.dtype
+    assert (x == want_x).all() and (y == want_y).all() and x.shape == (1797, 64)
+
+
 @pytest.mark.parametrize("model", ["mlp_small", "cnn"])
 def test_teacher_task_is_a_deterministic_balanced_labelling(model):
     spec = zoo.make_model(model)[1]
