@@ -303,10 +303,23 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale) {
   return bad == 0;
 }
 
+namespace {
+void check_flag(const at::Tensor& flag, const at::Tensor& out, const char* fn) {
+  BL_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.device() == out.device(), fn,
+           ": `flag` must be one int32 on ", out.device(), ", got ", flag.numel(), " ", flag.scalar_type(), " on ",
+           flag.device());
+}
+
+// g's verdict folded into the flag on the device; the 0-d bool it returns chooses the outputs there.
+at::Tensor fold_nonfinite(const at::Tensor& g, at::Tensor& flag) {
+  at::Tensor bad = at::logical_not(at::isfinite(g).all());
+  flag.copy_(at::maximum(flag, bad.to(at::kInt)));
+  return bad;
+}
+}  // namespace
+
 void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag) {
-  BL_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.device() == dst.device(),
-           "scale_flagged_: `flag` must be one int32 on ", dst.device(), ", got ", flag.numel(), " ",
-           flag.scalar_type(), " on ", flag.device());
+  check_flag(flag, dst, "scale_flagged_");
   if (!src.defined()) {
     dst.zero_();
     return;
@@ -325,7 +338,7 @@ void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Te
   }
 #endif
   // Other dtypes or devices: ATen ops, in scale_checked's arithmetic, the answer folded into the flag there.
-  flag.copy_(at::maximum(flag, at::logical_not(at::isfinite(src).all()).to(at::kInt)));
+  fold_nonfinite(src, flag);
   scale_into(dst, src, scale);
 }
 
@@ -536,21 +549,6 @@ bool momentum_add_checked(at::Tensor& u_out, at::Tensor& acc_out, const at::Tens
   });
   return !g.defined();
 }
-
-namespace {
-void check_flag(const at::Tensor& flag, const at::Tensor& out, const char* fn) {
-  BL_CHECK(flag.scalar_type() == at::kInt && flag.numel() == 1 && flag.device() == out.device(), fn,
-           ": `flag` must be one int32 on ", out.device(), ", got ", flag.numel(), " ", flag.scalar_type(), " on ",
-           flag.device());
-}
-
-// g's verdict folded into the flag on the device; the 0-d bool it returns chooses the outputs there.
-at::Tensor fold_nonfinite(const at::Tensor& g, at::Tensor& flag) {
-  at::Tensor bad = at::logical_not(at::isfinite(g).all());
-  flag.copy_(at::maximum(flag, bad.to(at::kInt)));
-  return bad;
-}
-}  // namespace
 
 void add_flagged_(at::Tensor& out, const at::Tensor& a, const at::Tensor& b, const at::Tensor& block_max,
                   int64_t block_offset, at::Tensor& flag) {
