@@ -31,7 +31,7 @@ from ._failfast import FailFast
 from ._groups import new_group_like
 from .agreement import RoundAgreement
 from .algorithm import Algorithm, registered, registered_class
-from .bucket import Bucket
+from .bucket import Bucket, defer_nonfinite_checks
 from .config import algorithm_from
 from .services import Services
 from .shard_units import find_units, resolve_groups
@@ -118,6 +118,11 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         for u in self.units:
             like = u.params[0].to_local()
             self.buckets.append(Bucket(u.index, [torch.empty(s, dtype=like.dtype, device=like.device) for s in u.shapes]))
+        # Where checks stay on the device (CUDA kernels, or BAGUA_LITE_DEFER_CHECKS=1): each bucket's flag,
+        # read once per synchronised round, and a local flag read once at the step of a local round.
+        self._nonfinite_flags = defer_nonfinite_checks(self.buckets)
+        self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
+        self._local_unread = []
         self._engine = _C.Engine()
         algorithm.model = self
         try:  # the algorithm's own refusals come before any hook is in place
@@ -152,9 +157,12 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
                 f"{WHO}: FSDP2 handed unit {unit.name or '<root>'!r} a reduced gradient of {out.numel()} {out.dtype} "
                 f"elements, {b.numel} {b.dtype} expected: a parameter of the unit got no gradient in this backward "
                 f"(unused: call model.set_reduce_scatter_unused_params(True), as DDP's find_unused_parameters), or a "
-                f"MixedPrecisionPolicy's reduce_dtype differs from the parameters' (not supported yet)")
+                f"MixedPrecisionPolicy set after ShardedModel was built reduces in another dtype")
         if not self.algorithm.sync_gradients():
-            if self._local_bad is None and not _C.all_finite(out):  # stays local: this rank skips the step
+            if self._local_flag is not None:  # the answer stays on the device, read once at the step
+                _C.scale_flagged_(out, out, 1.0, self._local_flag)  # the same tensor, scale 1: a check only
+                self._local_unread.extend(unit.params)  # hook order, to name the first bad one as at once
+            elif self._local_bad is None and not _C.all_finite(out):  # stays local: this rank skips the step
                 name = unit.first_nonfinite(out)
                 self._local_bad = unit.params[unit.names.index(name) if name in unit.names else 0]
             return
@@ -174,6 +182,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._backward_active = True
         self._round_scales = _compat.scaler_scales(self.grad_scaler)
         self._nonfinite_error = None
+        if self._nonfinite_flags is not None:
+            self._nonfinite_flags.zero_()  # on the device's stream, ahead of this round's checks
         self.algorithm.nonfinite_buckets.clear()
         self.algorithm.kept_state.begin_round()
         if self.algorithm.step_dependent_wire:  # sizes depend on the step: agree before the first unit travels
@@ -184,7 +194,10 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         """After the last unit's hook: one MAX allreduce over every rank of (a non-finite gradient anywhere,
         step, -step); the round is kept, or discarded on every rank alike (``.grad`` NaN everywhere)."""
         self._backward_active = False
-        if not self._agree(1 if self.algorithm.nonfinite_buckets else 0):
+        bad = bool(self.algorithm.nonfinite_buckets)
+        if not bad and self._nonfinite_flags is not None:  # the checks left on the device: one read per round
+            bad = bool(self._nonfinite_flags.any())
+        if not self._agree(1 if bad else 0):
             self.algorithm.commit_round()
             return
         self.algorithm.kept_state.roll_back()

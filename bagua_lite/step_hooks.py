@@ -39,6 +39,11 @@ def forget(model) -> None:
     _LIVE.discard(model)
 
 
+def _local(t):
+    """A gradient's local tensor: a DTensor's shard (ShardedModel), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def take_closure(optimizer, args, kwargs):
     """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call; ``args[0]`` is the
     optimizer itself (as torch hands them to a step pre-hook)."""
@@ -67,8 +72,8 @@ class StepHooks:
         if self._local_flag.item():
             self._local_flag.zero_()
             if self._local_bad is None:
-                self._local_bad = next((p for p in checked if p.grad is not None and not _C.all_finite(p.grad)),
-                                       checked[0])
+                self._local_bad = next(
+                    (p for p in checked if p.grad is not None and not _C.all_finite(_local(p.grad))), checked[0])
 
     def _steps_parameters_of(self, optimizer) -> bool:
         """Whether ``optimizer`` holds any of this model's parameters."""

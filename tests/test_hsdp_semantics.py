@@ -358,12 +358,30 @@ def test_dcp_resume_is_bit_for_bit_the_uninterrupted_run(c4, tmp_path, spec):
 BAD = 2  # the step at which rank 1's input holds a NaN
 
 
-def _r_nonfinite(rank, world, scaled):
+def _deferred_checks(deferred):
+    """Within it, ShardedModels built leave their non-finite checks on the device as on a GPU (one read per
+    round, BAGUA_LITE_DEFER_CHECKS=1) where ``deferred``; else they answer at once."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        if deferred:
+            os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+        try:
+            yield
+        finally:
+            os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+    return scope()
+
+
+def _r_nonfinite(rank, world, scaled, deferred=False):
     """gtopk; at step BAD rank 1's input holds a NaN. Returns, per step, whether optimizer.step() raised
     FloatingPointError and whether the weights, momenta and residuals came through that step unchanged,
     plus the weights after every step, the scales and the final step count."""
     scaler = torch.amp.GradScaler("cpu") if scaled else None
-    net, opt, relaxed = _model(2, 2, GTOPK, grad_scaler=scaler)
+    with _deferred_checks(deferred):
+        net, opt, relaxed = _model(2, 2, GTOPK, grad_scaler=scaler)
+    assert (relaxed._nonfinite_flags is not None) == deferred
     raised, unchanged, history, scales = [], [], [], []
     for step, (x, y) in enumerate(_batches(rank, STEPS)):
         if step == BAD and rank == 1:
@@ -402,17 +420,56 @@ def _check_skipped_in_step(out, raises):
             assert _equal(history[step], out[_twin(rank)][2][step]), (rank, step)
 
 
-def test_nonfinite_gradient_raises_on_every_rank_and_training_goes_on(c4):
-    _check_skipped_in_step(c4.run(_r_nonfinite, False), raises=True)
+@pytest.mark.parametrize("deferred", [False, True], ids=["at_once", "deferred"])
+def test_nonfinite_gradient_raises_on_every_rank_and_training_goes_on(c4, deferred):
+    _check_skipped_in_step(c4.run(_r_nonfinite, False, deferred), raises=True)
 
 
-def test_nonfinite_gradient_under_a_grad_scaler_skips_on_every_rank(c4):
-    out = c4.run(_r_nonfinite, True)
+@pytest.mark.parametrize("deferred", [False, True], ids=["at_once", "deferred"])
+def test_nonfinite_gradient_under_a_grad_scaler_skips_on_every_rank(c4, deferred):
+    out = c4.run(_r_nonfinite, True, deferred)
     _check_skipped_in_step(out, raises=False)
     for rank in range(4):
         scales = out[rank][3]
         assert scales == out[0][3], (rank, scales)  # one scale on every rank
         assert scales[BAD] == scales[BAD - 1] / 2, scales  # the skip backed it off
+
+
+def _r_local_nonfinite(rank, world, deferred):
+    """diloco (gradients stay local); at step BAD rank 1's input holds a NaN. Returns, per step, the
+    FloatingPointError's message or None, and the weights after every step."""
+    with _deferred_checks(deferred):
+        net, opt, relaxed = _model(2, 2, DILOCO)
+    assert (relaxed._local_flag is not None) == deferred
+    errors, history = [], []
+    for step, (x, y) in enumerate(_batches(rank, STEPS)):
+        if step == BAD and rank == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        _loss(net, x, y).backward()
+        try:
+            opt.step()
+            errors.append(None)
+        except FloatingPointError as e:
+            errors.append(str(e))
+        opt.zero_grad()
+        history.append(_full(net))
+    relaxed.close()
+    return errors, history
+
+
+def test_local_nonfinite_gradient_skips_on_its_rank_alike_deferred_or_at_once(c4):
+    """A local gradient's check left on the device (read once at the step) names the same parameter, skips
+    the same step on the same ranks and leaves the same weights as the check that answers at once."""
+    at_once, deferred = c4.run(_r_local_nonfinite, False), c4.run(_r_local_nonfinite, True)
+    for rank in range(4):
+        errors = at_once[rank][0]
+        # rank 1's replica (ranks 0 and 1: FSDP2 reduce-scatters inside it) skips step BAD, the other does not
+        assert [e is not None for e in errors] == [rank < 2 and s == BAD for s in range(STEPS)], (rank, errors)
+        assert deferred[rank][0] == errors, (rank, deferred[rank][0], errors)
+        for step in range(STEPS):
+            assert _equal(deferred[rank][1][step], at_once[rank][1][step]), (rank, step)
+    assert "first in parameter" in at_once[1][0][BAD], at_once[1][0][BAD]
 
 
 # ---- 7. a peer failure ------------------------------------------------------------------------------------------
