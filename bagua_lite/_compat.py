@@ -68,17 +68,16 @@ def group_timeout(group):
 
 
 def fsdp_reduce_dtype(unit):
-    """The dtype FSDP2 reduce-scatters ``unit``'s gradients in, and so hands its all-reduce hook: the
-    MixedPrecisionPolicy's reduce_dtype, else its param_dtype, else the parameters' own; None where this
-    torch keeps the policy elsewhere (the hook's own check then catches a mismatch). FSDP2 has no public
-    getter for the policy: this reads the attribute fully_shard stores it in (torch 2.11-2.13)."""
+    """The dtype FSDP2 casts ``unit``'s gradients to for its reduce-scatter, and so hands its all-reduce hook:
+    the MixedPrecisionPolicy's reduce_dtype, else its param_dtype; None where the policy casts nothing (the
+    parameters' own dtype) or where this torch keeps the policy elsewhere (the hook's own check then catches
+    a mismatch). FSDP2 has no public getter for the policy: this reads the attribute fully_shard stores it in
+    (torch 2.11-2.13)."""
     try:
         policy = unit._get_fsdp_state()._mp_policy
     except AttributeError:
         return None
-    own = next((p.dtype for p in unit.parameters() if p.requires_grad), None)
-    reduce = policy.reduce_dtype or policy.param_dtype or own
-    return reduce if own is not None and own.is_floating_point else own
+    return policy.reduce_dtype or policy.param_dtype
 
 
 def compiler_disable(fn):

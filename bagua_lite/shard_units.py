@@ -110,14 +110,15 @@ def find_units(module, shard_mesh, replicate_group, who: str) -> List[Unit]:
     out = []
     for name, m in units:
         mine = [(pname, p) for p, (unit, pname) in owner.items() if unit == name and p.requires_grad]
-        reduce = _compat.fsdp_reduce_dtype(m)
-        if mine and reduce is not None and reduce != mine[0][1].dtype:
+        if not mine:
+            continue
+        own, reduce = mine[0][1].dtype, _compat.fsdp_reduce_dtype(m)
+        if reduce not in (None, own):
             raise ValueError(
                 f"{who}: unit {name or '<root>'!r} reduce-scatters its gradients in {reduce} (its "
-                f"MixedPrecisionPolicy), its parameters are {mine[0][1].dtype}: bagua_lite relaxes gradients in "
-                f"the parameters' dtype; keep the reduction in it, e.g. MixedPrecisionPolicy(param_dtype="
-                f"torch.bfloat16, reduce_dtype={mine[0][1].dtype}) (compute in bf16, the exchange then goes in the "
+                f"MixedPrecisionPolicy), its parameters are {own}: bagua_lite relaxes gradients in the "
+                f"parameters' dtype; keep the reduction in it, e.g. MixedPrecisionPolicy(param_dtype="
+                f"torch.bfloat16, reduce_dtype={own}) (compute in bf16, the exchange then goes in the "
                 f"algorithm's codec: compression='bf16' or 'fp16' halves it)")
-        if mine:
-            out.append(Unit(len(out), name, m, mine, shards))
+        out.append(Unit(len(out), name, m, mine, shards))
     return out

@@ -20,6 +20,7 @@ The loop around a ShardedModel is FSDP2's own, and what a user does in it must k
 Every parity compares each full weight (``full_tensor()``) with torch.equal. The model's dim 0 (13, 5) does
 not divide the shard count, so FSDP2 pads the last shard.
 """
+import contextlib
 import datetime
 import os
 import time
@@ -358,20 +359,16 @@ def test_dcp_resume_is_bit_for_bit_the_uninterrupted_run(c4, tmp_path, spec):
 BAD = 2  # the step at which rank 1's input holds a NaN
 
 
+@contextlib.contextmanager
 def _deferred_checks(deferred):
     """Within it, ShardedModels built leave their non-finite checks on the device as on a GPU (one read per
     round, BAGUA_LITE_DEFER_CHECKS=1) where ``deferred``; else they answer at once."""
-    import contextlib
-
-    @contextlib.contextmanager
-    def scope():
-        if deferred:
-            os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
-        try:
-            yield
-        finally:
-            os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
-    return scope()
+    if deferred:
+        os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
 def _r_nonfinite(rank, world, scaled, deferred=False):
