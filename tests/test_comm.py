@@ -673,7 +673,7 @@ def _r_die_or_collect(rank, P, victim, which):
 
 @pytest.mark.parametrize("which", ["allreduce", "gtopk", "engine"])
 def test_dead_peer_raises_instead_of_hanging(which):
-    P, victim, pg_timeout = 3, 1, 15
+    P, victim, pg_timeout = 3, 1, 5
     c = Cluster(P, timeout_s=pg_timeout)
     try:
         with pytest.raises(RemoteError) as info:
