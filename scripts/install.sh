@@ -6,10 +6,10 @@
 # another checkout's.
 #
 # Arguments add what a command needs besides the core (each keeps the installed torch, checked below):
-#   test        pytest, hypothesis, scikit-learn, matplotlib (the benchmark's plots are tested), cmake, and the
-#               integrations the tests cover (lightning and pytorch-lightning: the strategy is tested under
-#               both packages; accelerate, hf; torchft, whose DiLoCo the porting test runs) at the versions
-#               they were tested with
+#   test        pytest and pytest-xdist (run_tests.sh runs two workers), hypothesis, scikit-learn, matplotlib
+#               (the benchmark's plots are tested), cmake, and the integrations the tests cover (lightning
+#               and pytorch-lightning: the strategy is tested under both packages; accelerate, hf; torchft,
+#               whose DiLoCo the porting test runs) at the versions they were tested with
 #   benchmark   matplotlib (plots) and scikit-learn (the digits task)
 #   lightning | accelerate | hf   one integration (lightning: the unified `lightning` package)
 #   torchft     torchft, for the benchmark's torchft_diloco row
@@ -24,7 +24,7 @@ extras=()
 need_cmake=0
 for what in "$@"; do
   case "$what" in
-    test) extras+=(pytest hypothesis scikit-learn matplotlib "$LIGHTNING" "$PYTORCH_LIGHTNING" "$ACCELERATE" "$HF" "$TORCHFT")
+    test) extras+=(pytest pytest-xdist==3.8.0 hypothesis scikit-learn matplotlib "$LIGHTNING" "$PYTORCH_LIGHTNING" "$ACCELERATE" "$HF" "$TORCHFT")
           need_cmake=1 ;;
     benchmark) extras+=(matplotlib scikit-learn) ;;
     lightning) extras+=("$LIGHTNING") ;;
