@@ -11,5 +11,6 @@ cmake --build build/cmake
 ctest --test-dir build/cmake --output-on-failure
 # Two pytest workers (pytest-xdist): pytest alone keeps 69% of 2 cores busy, because many tests mostly wait
 # (the fault and elastic tests for a group's timeout, a heartbeat, a rejoin window; torchrun for its
-# restarts), so two at a time fill the gaps (1323 tests: 27.9 -> 21.3 min here). BAGUA_LITE_TEST_WORKERS=0 runs them one at a time in this process.
+# restarts), so two at a time fill the gaps (1323 tests: 27.9 -> 21.8 min in CI here).
+# BAGUA_LITE_TEST_WORKERS=0 runs them one at a time in this process.
 "$PY" -m pytest -q -n "${BAGUA_LITE_TEST_WORKERS:-2}" "$@"
