@@ -1,6 +1,6 @@
 """Why does gTop-k learn slowly under AdamW? A one-process replay of benchmark_hsdp.yaml's gtopk row.
 
-    python scripts/gtopk_adamw_sim.py VARIANT [DENSITY]      # VARIANT: dense, gtopk, v_sqsum, v_dense
+    python scripts/gtopk_adamw_sim.py VARIANT [DENSITY]      # VARIANT: dense, gtopk, gtopk_q4, v_sqsum, v_dense
 
 The benchmark's gpt_small, task and data (4 ranks of 8 sequences, as 2 replicas of 2 ranks), AdamW with its
 lr 1e-3, betas (0.9, 0.999), weight decay 0.01, written out so that its second moment can be fed separately:
@@ -10,13 +10,15 @@ lr 1e-3, betas (0.9, 0.999), weight decay 0.01, written out so that its second m
 - ``gtopk``: each replica adds its error-feedback residual, selects its k largest (k = density x n), the two
   selections are summed and averaged, the k largest of that are applied; what a replica sent that was not
   applied goes back to its residual (gTop-k's round for 2 replicas, on the whole vector instead of per shard).
+- ``gtopk_q4``: as gtopk, but the values sent are quantized to 4 bits (absmax per block of 64 sent values,
+  identical on both sides), and the quantization error of an applied entry stays in its residual.
 - ``v_sqsum``: as gtopk, but Adam's second moment is fed the sum of the squared per-step gradients accumulated
   since the entry was last applied (what a dense run's v would have seen), instead of the delayed sum squared.
 - ``v_dense``: as gtopk, but the second moment is fed the dense gradient's square every step (an oracle: what
   no fix of the second moment can beat).
 
 It prints the held-out loss every 10 steps and stops at the benchmark's target, 1.25. Measured (2026-11-28):
-dense 140 steps; gtopk 0.1 220; v_sqsum 220; v_dense 230; gtopk 0.25 150. So the second moment is not what
+dense 140 steps; gtopk 0.1 220; v_sqsum 220; v_dense 230; gtopk 0.25 150; gtopk_q4 0.25 150. So the second moment is not what
 slows gtopk down under AdamW (configs/benchmark_hsdp.yaml's header).
 """
 import sys
@@ -27,7 +29,16 @@ import torch
 from bagua_lite.bench.data import evaluate, loss_fn, make_task
 from bagua_lite.bench.zoo import make_model
 
-VARIANTS = ("dense", "gtopk", "v_sqsum", "v_dense")
+VARIANTS = ("dense", "gtopk", "gtopk_q4", "v_sqsum", "v_dense")
+
+
+def _absmax4(x, block=64):
+    """x quantized to 4 bits and back: per block, levels -7..7 of the block's largest magnitude."""
+    pad = (-len(x)) % block
+    blocks = torch.cat([x, torch.zeros(pad)]).view(-1, block)
+    scale = blocks.abs().amax(1, keepdim=True) / 7
+    scale = torch.where(scale > 0, scale, torch.ones(()))
+    return ((blocks / scale).round().clamp(-7, 7) * scale).reshape(-1)[:len(x)]
 
 
 def main(variant, density=0.1, max_steps=300, target=1.25):
@@ -55,10 +66,13 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
             g, q = dense, dense * dense
         else:
             acc = [grads[r] + res[r] for r in range(2)]
-            sel = [torch.topk(a.abs(), k).indices for a in acc]
+            sel = [torch.topk(a.abs(), k).indices.sort().values for a in acc]
+            sent_values = [acc[r][sel[r]] for r in range(2)]
+            if variant == "gtopk_q4":
+                sent_values = [_absmax4(x) for x in sent_values]
             merged = torch.zeros(n)
             for r in range(2):
-                merged.index_add_(0, sel[r], acc[r][sel[r]])
+                merged.index_add_(0, sel[r], sent_values[r])
             merged /= 2
             final = torch.topk(merged.abs(), k).indices
             g = torch.zeros(n)
@@ -68,7 +82,9 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
             for r in range(2):
                 sent = torch.zeros(n, dtype=torch.bool)
                 sent[sel[r]] = True
-                res[r] = torch.where(sent & applied, torch.zeros(()), acc[r])
+                sent_dense = torch.zeros(n)
+                sent_dense[sel[r]] = sent_values[r]
+                res[r] = torch.where(sent & applied, acc[r] - sent_dense, acc[r])
                 sq[r] += grads[r] * grads[r]
             q = g * g
             if variant == "v_sqsum":
