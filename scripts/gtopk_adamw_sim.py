@@ -1,6 +1,6 @@
 """Why does gTop-k learn slowly under AdamW? A one-process replay of benchmark_hsdp.yaml's gtopk row.
 
-    python scripts/gtopk_adamw_sim.py VARIANT [DENSITY]      # VARIANT: dense, gtopk, gtopk_q4, v_sqsum, v_dense
+    python scripts/gtopk_adamw_sim.py VARIANT [DENSITY]      # VARIANT: see VARIANTS
 
 The benchmark's gpt_small, task and data (4 ranks of 8 sequences, as 2 replicas of 2 ranks), AdamW with its
 lr 1e-3, betas (0.9, 0.999), weight decay 0.01, written out so that its second moment can be fed separately:
@@ -12,13 +12,15 @@ lr 1e-3, betas (0.9, 0.999), weight decay 0.01, written out so that its second m
   applied goes back to its residual (gTop-k's round for 2 replicas, on the whole vector instead of per shard).
 - ``gtopk_q4``: as gtopk, but the values sent are quantized to 4 bits (absmax per block of 64 sent values,
   identical on both sides), and the quantization error of an applied entry stays in its residual.
+- ``gtopk_absmax4``: as gtopk_q4 with bagua_lite's registered ``absmax4`` codec (one scale per message).
 - ``v_sqsum``: as gtopk, but Adam's second moment is fed the sum of the squared per-step gradients accumulated
   since the entry was last applied (what a dense run's v would have seen), instead of the delayed sum squared.
 - ``v_dense``: as gtopk, but the second moment is fed the dense gradient's square every step (an oracle: what
   no fix of the second moment can beat).
 
 It prints the held-out loss every 10 steps and stops at the benchmark's target, 1.25. Measured (2026-11-28):
-dense 140 steps; gtopk 0.1 220; v_sqsum 220; v_dense 230; gtopk 0.25 150; gtopk_q4 0.25 150. So the second moment is not what
+dense 140 steps; gtopk 0.1 220; v_sqsum 220; v_dense 230; gtopk 0.25 150; gtopk_q4 0.25 150;
+gtopk_absmax4 0.25 240 (one scale for the whole message is too coarse). So the second moment is not what
 slows gtopk down under AdamW (configs/benchmark_hsdp.yaml's header).
 """
 import sys
@@ -26,10 +28,11 @@ import time
 
 import torch
 
+from bagua_lite.compressors import get_compressor
 from bagua_lite.bench.data import evaluate, loss_fn, make_task
 from bagua_lite.bench.zoo import make_model
 
-VARIANTS = ("dense", "gtopk", "gtopk_q4", "v_sqsum", "v_dense")
+VARIANTS = ("dense", "gtopk", "gtopk_q4", "gtopk_absmax4", "v_sqsum", "v_dense")
 
 
 def _absmax4(x, block=64):
@@ -41,6 +44,15 @@ def _absmax4(x, block=64):
     return ((blocks / scale).round().clamp(-7, 7) * scale).reshape(-1)[:len(x)]
 
 
+def _round_trip(codec, x):
+    """x through a registered codec's wire format and back."""
+    wire = torch.empty(codec.wire_bytes(x.numel()), dtype=torch.uint8)
+    codec.compress(x, wire)
+    out = torch.empty_like(x)
+    codec.decompress(wire, out)
+    return out
+
+
 def main(variant, density=0.1, max_steps=300, target=1.25):
     if variant not in VARIANTS:
         raise SystemExit(f"variant {variant!r}: one of {', '.join(VARIANTS)}")
@@ -49,6 +61,7 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
     params = list(net.parameters())
     n = sum(p.numel() for p in params)
     k = max(1, int(density * n))
+    codec = get_compressor("absmax4")
     w = torch.nn.utils.parameters_to_vector(params).detach().clone()
     m, v = torch.zeros(n), torch.zeros(n)
     res, sq = [torch.zeros(n), torch.zeros(n)], [torch.zeros(n), torch.zeros(n)]
@@ -70,6 +83,8 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
             sent_values = [acc[r][sel[r]] for r in range(2)]
             if variant == "gtopk_q4":
                 sent_values = [_absmax4(x) for x in sent_values]
+            elif variant == "gtopk_absmax4":
+                sent_values = [_round_trip(codec, x) for x in sent_values]
             merged = torch.zeros(n)
             for r in range(2):
                 merged.index_add_(0, sel[r], sent_values[r])
@@ -85,7 +100,8 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
                 sent_dense = torch.zeros(n)
                 sent_dense[sel[r]] = sent_values[r]
                 res[r] = torch.where(sent & applied, acc[r] - sent_dense, acc[r])
-                sq[r] += grads[r] * grads[r]
+                if variant == "v_sqsum":
+                    sq[r] += grads[r] * grads[r]
             q = g * g
             if variant == "v_sqsum":
                 q = torch.zeros(n)
