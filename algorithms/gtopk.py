@@ -10,6 +10,12 @@ Algorithm 1 of the paper, per bucket (G: the bucket's flat gradient, eps: its re
                                                     not select it, so entries of gI outside I were not
                                                     sent and stay in the residual)
     G        <- scatter(gV, gI) / P
+
+The indices travel as a bitmap of the bucket where that is smaller (density above 1/32). ``value_bits=4``
+sends each value as a 4-bit level with one scale per 64 values: the values' part of a message falls from
+4 bytes to about 0.56, and what a rank's levels left out of an entry it sent stays in its residual (the
+collective hands back what was sent). With more than 2 ranks a merged set is quantized again before each
+later round; that error is no rank's and is not fed back.
 """
 import torch
 
@@ -24,16 +30,28 @@ from .parts.sparse import ErrorFeedbackSparsifier
 class GTopK(ErrorFeedbackSparsifier):
     def __init__(self, density: float = 0.001, warmup_densities: list = (0.25, 0.0625, 0.016, 0.004),
                  warmup_steps_per_stage: int = 0, momentum_correction=None, layerwise: bool = False,
-                 exact: bool = False):
+                 exact: bool = False, value_bits=None):
         super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction, layerwise)
-        self.exact = exact
+        if value_bits not in (None, 4) or isinstance(value_bits, bool):
+            raise ValueError(f"gtopk: value_bits must be None (values as the bucket's dtype) or 4, got {value_bits!r}")
+        if exact and value_bits is not None:
+            raise ValueError("gtopk: exact=True sums the ranks' exact values; it cannot be combined with value_bits=4")
+        self.exact, self.value_bits = exact, value_bits
+
+    @staticmethod
+    def message_bytes(k, e, n, value_bits=None):
+        """One message of k entries of a bucket of n: values (e bytes each, or 4-bit levels and a float32
+        scale per 64), then the indices (k int32, or a bitmap of n bits where that is smaller)."""
+        values = 4 * -(-k // 64) + (k + 1) // 2 if value_bits == 4 else k * e
+        bitmap = n is not None and -(-n // 8) < 4 * k
+        return values + (-(-n // 8) if bitmap else 4 * k)
 
     @classmethod
-    def sparse_traffic(cls, o, P, k, e, rank, machine=None):
+    def sparse_traffic(cls, o, P, k, e, rank, machine=None, n=None):
         """Recursive doubling: log2 P' swaps of k pairs (P' the largest power of two <= P; the other ranks
         fold in first and receive last: 2 more messages on the critical path); each received message is
         merged (2k pairs), then the scatter of k. ``exact``: plus a ring allreduce of k values."""
-        msg, core = k * (e + 4), cm.pow2_core(P)
+        msg, core = cls.message_bytes(k, e, n, o.get("value_bits")), cm.pow2_core(P)
         L, r = core.bit_length() - 1, 0 if rank is None else rank
         sent = (L + (1 if r + core < P else 0)) if r < core else 1
         b, lat = sent * msg, L + (2 if P > core else 0)
@@ -48,11 +66,16 @@ class GTopK(ErrorFeedbackSparsifier):
 
     def aggregate(self, values, indices, acc, flat, bucket):
         k = values.numel()
-        g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact)
+        # value_bits=4 overwrites values with what of this rank's contribution the result kept (decoded levels).
+        g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact,
+                                                   numel=flat.numel(), value_bits=self.value_bits)
         # Error feedback forgets what this rank sent and the global set kept (exact or not), by a mask over
         # this rank's k entries: a boolean index would read its count back from the device.
         mine = indices.long()
-        acc.index_copy_(0, mine, acc.index_select(0, mine).masked_fill_(torch.isin(indices, g_indices), 0))
+        if self.value_bits is None:
+            acc.index_copy_(0, mine, acc.index_select(0, mine).masked_fill_(torch.isin(indices, g_indices), 0))
+        else:  # values: what of this rank's levels the result kept; what they left out stays
+            acc.index_copy_(0, mine, acc.index_select(0, mine).sub_(values))
         self.clear_result(flat, bucket.index)           # k entries, not the whole bucket
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
         return g_indices

@@ -13,7 +13,7 @@ from .parts.sparse import ErrorFeedbackSparsifier
 @register("topk")
 class TopK(ErrorFeedbackSparsifier):
     @classmethod
-    def sparse_traffic(cls, o, P, k, e, rank, machine=None):
+    def sparse_traffic(cls, o, P, k, e, rank, machine=None, n=None):
         """One allgather of [k, dtype as 2 int64][k values][k int32] from each of the P - 1 others; then
         the scatter of the P k pairs."""
         b = (P - 1) * (16 + k * (e + 4))

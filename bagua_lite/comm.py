@@ -238,7 +238,8 @@ def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,
-                    exact: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                    exact: bool = False, numel: Optional[int] = None,
+                    value_bits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Global Top-k of the ranks' sparse sets (gTop-k S-SGD), by recursive doubling.
 
     In round r each rank swaps its k (value, index) pairs with rank XOR 2^r, sums equal indices and
@@ -246,12 +247,27 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
     into a partner first and receive the result last. Sum semantics; returns at most k entries with
     ascending int32 indices, bit-identical on every rank. ``exact=True`` adds one k-sized allreduce so
     each value is the exact sum over ranks at its index. ``k`` must be the same on all ranks.
+
+    ``numel``: the dense length the indices lie in (checked); where a bitmap of ``numel`` bits is smaller
+    than k int32 indices (density above 1/32), the indices travel as that bitmap. ``value_bits=4``: the
+    values travel as 4-bit levels with one float32 scale per 64 entries (about 0.56 bytes per value
+    instead of 4), and ``values`` is overwritten with what of this rank's contribution the result holds:
+    the decoded level of each entry it sent that the result kept, 0 elsewhere (its error feedback
+    subtracts that; the rest stays in its residual). A merged
+    set is quantized again before each later round, so with more than 2 ranks the sums also carry that
+    error. Needs distinct indices and ``exact=False``; the same ``numel`` and ``value_bits`` on all ranks.
     """
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"bagua_lite.comm.gtopk_allreduce: k must be an int, got {type(k).__name__}")
+    if numel is not None and (not isinstance(numel, int) or isinstance(numel, bool) or numel < 0):
+        raise ValueError(f"bagua_lite.comm.gtopk_allreduce: numel must be an int >= 0 or None, got {numel!r}")
+    if value_bits not in (None, 4) or isinstance(value_bits, bool):
+        raise ValueError(f"bagua_lite.comm.gtopk_allreduce: value_bits must be None (the values' dtype) or 4, "
+                         f"got {value_bits!r}")
     pg = resolve_group(group, "gtopk_allreduce")
     check_device(values, pg, "gtopk_allreduce", "values")
-    return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact)))
+    return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact), -1 if numel is None else numel,
+                                    value_bits or 0))
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:

@@ -228,7 +228,7 @@ def _topk_aggregate(buf, mem, group, k):
 
 
 def _gtopk_aggregate(buf, mem, group, k):
-    g_values, g_indices = comm.gtopk_allreduce(mem.values, mem.indices, k, group=group)
+    g_values, g_indices = comm.gtopk_allreduce(mem.values, mem.indices, k, group=group, numel=buf.numel())
     kernels.ef_remove_(mem.acc, g_indices[torch.isin(g_indices, mem.indices)])  # only what this rank sent
     buf.zero_()
     kernels.scatter_add_(buf, g_values.div_(group.size()), g_indices)
@@ -260,7 +260,7 @@ def gtopk_hook(state: SparseState, bucket: dist.GradBucket) -> torch.futures.Fut
     keeps the rest, i.e. everything but the entries this rank sent that survived globally.
 
     What travels per bucket and step: log2 P messages of 8k bytes (fp32) per rank (+1 for ranks beyond the
-    largest power of two). Example, 1% of each bucket::
+    largest power of two); above a density of 1/32 the indices go as a bitmap of the bucket, n/8 bytes. Example, 1% of each bucket::
 
         state = bagua_lite.hooks.SparseState(density=0.01)
         ddp_model.register_comm_hook(state, bagua_lite.hooks.gtopk_hook)

@@ -12,6 +12,7 @@ ALGORITHMS = {
     "topk": ("topk", {"density": 0.1}),
     "gtopk": ("gtopk", {"density": 0.1}),
     "gtopk_no_correction": ("gtopk", {"density": 0.1, "momentum_correction": 0}),
+    "gtopk_4bit": ("gtopk", {"density": 0.3, "value_bits": 4}),
     "powersgd": ("powersgd", {"rank": 2}),
     "qadam": ("qadam", {"warmup_steps": 2}),
     "decentralized": ("decentralized", {}),
@@ -27,10 +28,10 @@ ALGORITHMS = {
                                   "add_s_per_elem": 1e-9}}),
 }
 #: replicas bit for bit equal after every step
-CENTRALIZED = {"dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "gtopk_no_correction", "powersgd",
-               "qadam"}
+CENTRALIZED = {"dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "gtopk_no_correction", "gtopk_4bit",
+               "powersgd", "qadam"}
 #: a rounding of the gradient can flip an entry's update (a sign, a top-k selection, Adam's normalised step)
-DISCONTINUOUS = {"sign", "topk", "gtopk", "gtopk_no_correction", "qadam", "low_precision_decentralized",
+DISCONTINUOUS = {"sign", "topk", "gtopk", "gtopk_no_correction", "gtopk_4bit", "qadam", "low_precision_decentralized",
                  "streaming_diloco"}
 
 

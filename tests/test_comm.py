@@ -307,13 +307,13 @@ def _simulate_gtopk(sets, k):
     return S
 
 
-def _gtopk_expected_bytes(rank, P, k, elem, count, exact):
+def _gtopk_expected_bytes(rank, P, k, elem, count, exact, msg=None):
     if P == 1 or k == 0:
         return 0
     core = 1
     while core * 2 <= P:
         core *= 2
-    msg = k * (elem + 4)
+    msg = k * (elem + 4) if msg is None else msg
     rounds = core.bit_length() - 1
     if rank >= core:
         b = msg                      # fold send
@@ -423,6 +423,103 @@ def test_gtopk_allreduce(cluster):
     assert all(r == res[0] for r in res), "ranks differ bitwise after gtopk_allreduce"
 
 
+def _q4(v):
+    """4-bit round trip of a canonical set's values as documented: per block of 64, levels round(v / s) in
+    [-7, 7] with s = the block's largest magnitude / 7 (float32 arithmetic), decoded as level * s."""
+    out = torch.empty_like(v)
+    for lo in range(0, v.numel(), 64):
+        b = v[lo:lo + 64].float()
+        s = b.abs().max() / 7
+        lv = torch.round(b / s).clamp(-7, 7) + 0.0 if s > 0 else torch.zeros_like(b)  # + 0.0: levels are ints (no -0)
+        out[lo:lo + 64] = (lv * s).to(v.dtype)
+    return out
+
+
+def _simulate_gtopk_q4(sets, k):
+    """The documented 4-bit algorithm on one process: each rank's own k quantized once; a merged set
+    quantized again before it is sent; the final set quantized on the core when P is not a power of two."""
+    P = len(sets)
+    empty_v, empty_i = sets[0][0][:0], torch.zeros(0, dtype=torch.int32)
+    S, fresh = [], [True] * P
+    for v, i in sets:
+        nv, ni = K.sparse_normalize(v, i)
+        tv, ti = K.merge_topk(nv, ni, empty_v, empty_i, k)
+        S.append((_q4(tv), ti))
+    own = list(S)
+    if P == 1 or k == 0:
+        return S, own
+    core = 1
+    while core * 2 <= P:
+        core *= 2
+    for r in range(core, P):
+        S[r - core], fresh[r - core] = K.merge_topk(*S[r - core], *S[r], k), False
+    d = 1
+    while d < core:
+        Q = [S[r] if fresh[r] else (_q4(S[r][0]), S[r][1]) for r in range(core)]
+        S[:core], fresh[:core] = [K.merge_topk(*Q[r], *Q[r ^ d], k) for r in range(core)], [False] * core
+        d *= 2
+    if P > core:
+        S[:core] = [(_q4(v), i) for v, i in S[:core]]
+    for r in range(core, P):
+        S[r] = S[r - core]
+    return S, own
+
+
+def _r_gtopk_wire(rank, P, seed):
+    """The bitmap index coding and 4-bit values against the simulation, with bytes per rank counted."""
+    from bagua_lite.algorithms.gtopk import GTopK
+    hashes = {}
+    numel = 3000
+    for dtype in (torch.float32, torch.bfloat16):
+        sets = []
+        for r in range(P):
+            g = _gen(seed, r, 95)
+            m = 0 if (r == 2 and P > 3) else int(torch.randint(1, 900, (1,), generator=g))
+            idx = torch.randperm(numel, generator=g)[:m].to(torch.int32)   # distinct, overlapping
+            if dtype == torch.float32:
+                idx = idx.sort().values  # ascending, as a top-k hands them over; bfloat16: unsorted
+            sets.append(((torch.randn(m, generator=g) * torch.rand(m, generator=g) * 10).to(dtype), idx))
+        for k in (0, 1, 50, 93, 94, 200, 700, 2000):
+            plain = _simulate_gtopk(sets, k)
+            q4, own = _simulate_gtopk_q4(sets, k)
+            for n, bits in ((numel, None), (None, 4), (numel, 4)):
+                key = (str(dtype), k, n, bits)
+                vin = sets[rank][0].clone()
+                C.reset_traffic()
+                v, i = C.gtopk_allreduce(vin, sets[rank][1].clone(), k, numel=n, value_bits=bits)
+                sent = C.bytes_sent()
+                sv, si = (q4 if bits else plain)[rank]
+                assert torch.equal(i, si), key
+                assert torch.equal(v.view(torch.uint8), sv.view(torch.uint8)), key
+                if bits:
+                    # values now hold what of this rank's contribution the result kept: its decoded level
+                    # where it was among its k and is in the result, else 0
+                    ov, oi = own[rank]
+                    want = torch.zeros_like(vin)
+                    pos, result = {int(x): j for j, x in enumerate(oi)}, set(si.tolist())
+                    for j, x in enumerate(sets[rank][1].tolist()):
+                        if x in pos and x in result:
+                            want[j] = ov[pos[x]]
+                    assert torch.equal(vin.view(torch.uint8), want.view(torch.uint8)), key
+                    if k and dtype == torch.float32:  # at most half a level: s / 2 <= the largest / 14
+                        err = (sets[rank][0].float() - vin.float()).abs()[vin != 0]
+                        assert err.numel() == 0 or float(err.max()) <= float(ov.float().abs().max()) / 14 * 1.01, key
+                else:
+                    assert torch.equal(vin, sets[rank][0]), key  # left alone
+                msg = GTopK.message_bytes(k, vin.element_size(), n, bits)
+                expected = _gtopk_expected_bytes(rank, P, k, vin.element_size(), v.numel(), False, msg)
+                assert sent == expected, (key, sent, expected)
+                hashes[key] = (_sha(v), _sha(i))
+    assert GTopK.message_bytes(94, 4, numel, 4) == 4 * 2 + 47 + 375   # the bitmap from k = 94 (375 < 376)
+    assert GTopK.message_bytes(93, 4, numel, None) == 93 * 8
+    return hashes
+
+
+def test_gtopk_allreduce_bitmap_and_4bit_values(cluster):
+    res = cluster.run(_r_gtopk_wire, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after gtopk_allreduce"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the shift_one schedule (decentralized's peer_selection: shift_one)
 
@@ -490,6 +587,15 @@ def _r_bad_args(rank, P, seed):
     e(_expect(VE, r"gtopk_allreduce: index -5 at position 3 is out of range", C.gtopk_allreduce, f32,
               torch.tensor([0, 1, 2, -5, 4, 5, 6, 7], dtype=torch.int32), 2))
     e(_expect(TE, r"must be a torch.Tensor, got list", C.gtopk_allreduce, [1.0], i32, 2))
+    e(_expect(VE, r"value_bits must be None \(the values' dtype\) or 4, got 8", C.gtopk_allreduce, f32, i32, 2,
+              value_bits=8))
+    e(_expect(VE, r"numel must be an int >= 0 or None, got -3", C.gtopk_allreduce, f32, i32, 2, numel=-3))
+    e(_expect(VE, r"gtopk_allreduce: index 7 at position 7 is out of range \[0, 7\)", C.gtopk_allreduce, f32, i32, 2,
+              numel=7))
+    e(_expect(VE, r"exact=True sums the ranks' exact values, so it cannot be combined with value_bits=4",
+              C.gtopk_allreduce, f32, i32, 2, exact=True, value_bits=4))
+    e(_expect(VE, r"value_bits=4 needs distinct indices; 2 of the 8 are repeats", C.gtopk_allreduce, f32,
+              torch.tensor([0, 1, 1, 3, 4, 4, 6, 7], dtype=torch.int32), 2, value_bits=4))
     # sparse_allreduce
     e(_expect(VE, r"sparse_allreduce: `values` has 8 elements but `indices` has 3", C.sparse_allreduce, f32,
               i32[:3].clone(), 100))

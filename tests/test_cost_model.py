@@ -45,6 +45,10 @@ HAND = {
     ("gtopk", (("density", DENSITY),)): {2: 80, 3: 160, 4: 160, 5: 240, 8: 240},
     # + ring(k * 4 = 40)
     ("gtopk", (("density", DENSITY), ("exact", True))): {2: 120, 3: 213, 4: 220, 5: 304, 8: 310},
+    # k = 250: the indices as a bitmap of N bits (125 bytes < 4k): messages of 1000 + 125
+    ("gtopk", (("density", 0.25),)): {2: 1125, 3: 2250, 4: 2250, 5: 3375, 8: 3375},
+    # 4-bit values: 4 scales (16 bytes) + 125 bytes of levels + the 125-byte bitmap = 266
+    ("gtopk", (("density", 0.25), ("value_bits", 4))): {2: 266, 3: 532, 4: 532, 5: 798, 8: 798},
     ("decentralized", ()): {2: 4000, 3: 8000, 4: 8000, 5: 8000, 8: 8000},
     ("decentralized", (("peer_selection", "shift_one"),)): {2: 4000, 3: 4000, 4: 4000, 5: 4000, 8: 4000},
     ("decentralized", (("peer_selection", "all"),)): {2: 4000, 3: 5333, 4: 6000, 5: 6400, 8: 7000},
@@ -778,6 +782,8 @@ RELAXATION_CASES = [
     ("decentralized", {"compression": "sign", "peer_selection": "all"}, "sgd", 0, 2),
     ("low_precision_decentralized", {}, "sgd", 0, 2),
     ("local_sgd", {"period": 2, "compression": "minmax_uint8"}, "sgd", 0, 2),
+    ("gtopk", {"density": 0.25}, "sgd", 0, 1),                     # the bitmap index coding
+    ("gtopk", {"density": 0.25, "value_bits": 4}, "sgd", 0, 1),     # and 4-bit values
     # a user's Python compressor: its buffers padded to 8 bytes (2327 + 4 -> 2336 for decentralized)
     ("gradient_allreduce", {"compression": "absmax4_test"}, "sgd", 0, 1),
     ("decentralized", {"compression": "absmax4_test"}, "sgd", 0, 2),

@@ -278,6 +278,7 @@ def _r_anchors(net, relaxed):
     {"name": "topk", "density": 0.1, "momentum_correction": 0},
     {"name": "gtopk", "density": 0.1, "momentum_correction": 0},
     {"name": "gtopk", "density": 0.1, "momentum_correction": 0, "layerwise": True},
+    {"name": "gtopk", "density": 0.3, "momentum_correction": 0, "value_bits": 4},  # 3 replicas: fold, requantize
     {"name": "powersgd", "rank": 1, "min_compression_rate": 1.0},
 ])
 def test_gradient_codecs_keep_replicas_identical(c6, spec):

@@ -261,6 +261,7 @@ CENTRALIZED = {
     "gtopk_layerwise": ("gtopk", {"density": 0.05, "warmup_densities": [], "layerwise": True}),
     "gtopk": ("gtopk", {"density": 0.05, "warmup_densities": [0.5], "warmup_steps_per_stage": 2}),
     "gtopk_exact": ("gtopk", {"density": 0.05, "warmup_densities": [], "exact": True}),
+    "gtopk_4bit": ("gtopk", {"density": 0.3, "warmup_densities": [], "value_bits": 4}),
     "randomk_test": ("randomk_test", {"density": 0.2}),
 }
 
@@ -313,9 +314,12 @@ def _r_error_feedback_mass(rank, P):
     + P * (what the optimizer applied), for aggregations that sum exactly what they select."""
     out = {}
     lr = 0.1
-    for label, (name, opts) in {"topk": ("topk", {"density": 0.05}),
-                                "gtopk_exact": ("gtopk", {"density": 0.05, "warmup_densities": [], "exact": True})
-                                }.items():
+    cases = {"topk": ("topk", {"density": 0.05}),
+             "gtopk_exact": ("gtopk", {"density": 0.05, "warmup_densities": [], "exact": True})}
+    if P <= 2:  # 4-bit values: each rank keeps what its levels left out; beyond 2 ranks a merged set is
+        # quantized again before it is sent, and that error is no rank's
+        cases["gtopk_4bit"] = ("gtopk", {"density": 0.3, "warmup_densities": [], "value_bits": 4})
+    for label, (name, opts) in cases.items():
         net = _mlp()
         opt = _sgd(net, lr=lr, momentum=0.0)
         model = bagua_lite.DistributedModel(net, opt, build(name, **opts), bucket_size_mb=0.005)

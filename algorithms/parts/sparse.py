@@ -48,8 +48,9 @@ class ErrorFeedbackSparsifier(Algorithm):
         return _traffic.sparsifier_traffic(cls.sparse_traffic, o, P, numels, elem_bytes, machine, rank)
 
     @classmethod
-    def sparse_traffic(cls, o, P, k, elem_bytes, rank, machine=None):
-        """(message triple, local seconds after the selection) of exchanging k (value, index) pairs."""
+    def sparse_traffic(cls, o, P, k, elem_bytes, rank, machine=None, n=None):
+        """(message triple, local seconds after the selection) of exchanging k (value, index) pairs of a
+        bucket of n elements."""
         raise NotImplementedError
 
     step_dependent_wire = property(lambda self: bool(self.warmup_densities) and self.warmup_steps_per_stage > 0)

@@ -45,8 +45,12 @@ std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, c
 
 // Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.
+// numel (>= 0: the dense length) lets the indices travel as a bitmap where that is smaller; value_bits = 4
+// sends 4-bit values (a scale per 64) and overwrites `values` with what of this rank's contribution the
+// result kept.
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
-                                                   const at::Tensor& indices, int64_t k, bool exact);
+                                                   const at::Tensor& indices, int64_t k, bool exact,
+                                                   int64_t numel = -1, int64_t value_bits = 0);
 
 // The partner of `rank` at `step` in the shift_one schedule (one partner that rotates with `step`; a
 // round-robin schedule, one rank idle per step when P is odd), or -1 if it sits this step out.

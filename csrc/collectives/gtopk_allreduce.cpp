@@ -6,14 +6,25 @@
 //   for i in 0 .. log2(P')-1:  swap S with rank r XOR 2^i, S <- merge_topk(S, received, k)
 //   unfold: rank r < P - P' sends the final S back to r + P'
 //
-// Message: [k values][k int32 indices], indices padded with -1 when |S| < k. merge_topk sums equal
-// indices and keeps the k largest (ties: lower index); it is symmetric bit-for-bit, so every rank ends
-// with the same bits. Bytes per rank: k*(sizeof(value)+4) per round, log2(P') rounds, plus one message
-// for each folded pair (sent by the extra rank before, and by its partner after).
+// Message, two index codings and two value codings, fixed by (k, numel, value_bits) so both sides agree:
+//   indices: k int32, padded with -1 when |S| < k; or, when numel is given and ceil(numel/8) < 4k, a bitmap
+//            of numel bits (bit j of byte j/8 set iff index j is in S)
+//   values:  k of the values' dtype, padded with 0; or, value_bits = 4, one float32 scale per block of 64
+//            entries (in index order) then two 4-bit levels per byte: level = round(v / s) in [-7, 7] with
+//            s = the block's largest magnitude / 7, decoded as level * s
+// merge_topk sums equal indices and keeps the k largest (ties: lower index); it is symmetric bit-for-bit,
+// and a 4-bit sender keeps the decoded values of what it sent (never its own exact values), so every rank
+// ends with the same bits. Bytes per rank: one message per round, log2(P') rounds, plus one message for
+// each folded pair (sent by the extra rank before, and by its partner after).
+// value_bits = 4: each rank's own k entries are quantized once (what it contributes; `values` is
+// overwritten with the part of that the result kept, for its error feedback); a merged set is quantized again before each later send,
+// and that error is nobody's. When P is not a power of two the core ranks all quantize the final set, so
+// the ranks that receive it last hold the same bits.
 // exact=true: one allreduce of |S| values makes each value the exact sum of the ranks' inputs there.
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "collectives/collectives.h"
@@ -23,40 +34,119 @@ namespace bagua_lite {
 namespace collectives {
 namespace {
 
+// One float32 scale per block of this many entries of a 4-bit message.
+constexpr int64_t kQ4Block = 64;
+
 template <typename T>
 struct GTopK {
   const ProcessGroupPtr& pg;
   const int64_t k;
   const at::Device dev;
+  const int64_t numel;      // the dense length (-1: unknown; index list only)
+  const int64_t value_bits;  // 0: the values' dtype; 4: 4-bit levels with a scale per block
   // The current set (canonical), a received set, and merge scratch; all reused across rounds.
   std::vector<T> sv, rv, mv, ov;
   std::vector<int32_t> si, ri, mi, oi;
   std::vector<int64_t> order;
+  std::vector<uint8_t> codes;  // value_bits = 4: the encoded current set while `encoded` holds
+  bool encoded = false;
   int64_t count = 0;
 
-  int64_t msg_bytes() const { return k * static_cast<int64_t>(sizeof(T) + 4); }
+  bool bitmap() const { return numel >= 0 && (numel + 7) / 8 < 4 * k; }
+  int64_t index_bytes() const { return bitmap() ? (numel + 7) / 8 : 4 * k; }
+  int64_t value_bytes() const {
+    return value_bits == 4 ? 4 * ((k + kQ4Block - 1) / kQ4Block) + (k + 1) / 2 : k * static_cast<int64_t>(sizeof(T));
+  }
+  int64_t msg_bytes() const { return value_bytes() + index_bytes(); }
+
+  // value_bits = 4: encode the current set into `codes` and replace its values by their decoding.
+  void quantize() {
+    codes.assign(value_bytes(), 0);
+    uint8_t* lv = codes.data() + 4 * ((k + kQ4Block - 1) / kQ4Block);
+    float f[kQ4Block];
+    int8_t q[kQ4Block + 1];
+    for (int64_t lo = 0, b = 0; lo < count; lo += kQ4Block, ++b) {
+      const int64_t len = std::min(count - lo, kQ4Block);
+      float amax = 0.f;
+      for (int64_t i = 0; i < len; ++i) {
+        f[i] = static_cast<float>(sv[lo + i]);
+        amax = std::max(amax, std::fabs(f[i]));
+      }
+      const float s = amax / 7.f;
+      std::memcpy(codes.data() + 4 * b, &s, 4);
+      for (int64_t i = 0; i < len; ++i) {
+        // Round half to even, as nearbyint does in the default mode, without its library call: |x| <= 7.
+        const float x = s > 0.f ? f[i] / s : 0.f;
+        float l = (x + 12582912.f) - 12582912.f;
+        l = l > 7.f ? 7.f : (l < -7.f ? -7.f : l);
+        q[i] = l == l ? static_cast<int8_t>(l) : 0;  // a non-finite block: deterministic (screened before anyway)
+        sv[lo + i] = static_cast<T>(static_cast<float>(q[i]) * s);  // as decoded: a level of -0.0 is +0
+      }
+      q[len] = -8;  // the odd last entry's partner: a zero nibble
+      for (int64_t i = 0; i < len; i += 2) {
+        lv[(lo + i) / 2] = static_cast<uint8_t>((q[i] + 8) | ((q[i + 1] + 8) << 4));
+      }
+    }
+    encoded = true;
+  }
+
+  static void decode_values(const uint8_t* p, int64_t n, int64_t k, T* out) {
+    const uint8_t* lv = p + 4 * ((k + kQ4Block - 1) / kQ4Block);
+    for (int64_t lo = 0; lo < n; lo += kQ4Block) {
+      float s;
+      std::memcpy(&s, p + 4 * (lo / kQ4Block), 4);
+      for (int64_t j = lo, hi = std::min(n, lo + kQ4Block); j < hi; ++j) {
+        const int l = static_cast<int>((lv[j / 2] >> (4 * (j & 1))) & 0xF) - 8;
+        out[j] = static_cast<T>(static_cast<float>(l) * s);
+      }
+    }
+  }
 
   void pack(at::Tensor& wire) {
+    if (value_bits == 4 && !encoded) quantize();
     auto host = wire.device().is_cpu() ? wire : at::empty({wire.numel()}, wire.options().device(at::kCPU));
     uint8_t* p = host.data_ptr<uint8_t>();
-    std::memcpy(p, sv.data(), count * sizeof(T));
-    std::memset(p + count * sizeof(T), 0, (k - count) * sizeof(T));
-    int32_t* ip = reinterpret_cast<int32_t*>(p + k * sizeof(T));
-    std::memcpy(ip, si.data(), count * 4);
-    std::fill(ip + count, ip + k, -1);
+    if (value_bits == 4) {
+      std::memcpy(p, codes.data(), codes.size());
+    } else {
+      std::memcpy(p, sv.data(), count * sizeof(T));
+      std::memset(p + count * sizeof(T), 0, (k - count) * sizeof(T));
+    }
+    uint8_t* ip = p + value_bytes();
+    if (bitmap()) {
+      std::memset(ip, 0, index_bytes());
+      for (int64_t j = 0; j < count; ++j) ip[si[j] >> 3] |= static_cast<uint8_t>(1u << (si[j] & 7));
+    } else {
+      // memcpy, not int32 stores: after 4-bit values the index list need not be 4-byte aligned.
+      std::memcpy(ip, si.data(), count * 4);
+      std::memset(ip + 4 * count, 0xFF, 4 * (k - count));  // -1 in every byte order
+    }
     if (!wire.device().is_cpu()) wire.copy_(host);
   }
 
   int64_t unpack(const at::Tensor& wire) {
     auto host = wire.device().is_cpu() ? wire : wire.cpu();
     const uint8_t* p = host.const_data_ptr<uint8_t>();
-    const int32_t* ip = reinterpret_cast<const int32_t*>(p + k * sizeof(T));
-    int64_t n = 0;
-    while (n < k && ip[n] >= 0) ++n;
+    const uint8_t* ip = p + value_bytes();
     rv.resize(k);
     ri.resize(k);
-    std::memcpy(rv.data(), p, n * sizeof(T));
-    std::memcpy(ri.data(), ip, n * 4);
+    int64_t n = 0;
+    if (bitmap()) {
+      for (int64_t byte = 0; byte < index_bytes(); ++byte) {
+        for (unsigned bits = ip[byte]; bits; bits &= bits - 1) {
+          BL_CHECK(n < k, "gtopk_allreduce: a peer's bitmap holds more than k = ", k, " indices");
+          ri[n++] = static_cast<int32_t>(8 * byte + __builtin_ctz(bits));
+        }
+      }
+    } else {
+      std::memcpy(ri.data(), ip, 4 * k);
+      while (n < k && ri[n] >= 0) ++n;
+    }
+    if (value_bits == 4) {
+      decode_values(p, n, k, rv.data());
+    } else {
+      std::memcpy(rv.data(), p, n * sizeof(T));
+    }
     return n;
   }
 
@@ -70,22 +160,29 @@ struct GTopK {
     si.swap(oi);
     sv.resize(count);
     si.resize(count);
+    encoded = false;
   }
 };
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
-                                                   const at::Tensor& indices, int64_t k, bool exact) {
-  kernels::check_sparse_args(values, indices, -1, "gtopk_allreduce");
+                                                   const at::Tensor& indices, int64_t k, bool exact, int64_t numel,
+                                                   int64_t value_bits) {
+  BL_CHECK(numel >= -1, "gtopk_allreduce: numel must be >= 0 (or -1: not given), got ", numel);
+  kernels::check_sparse_args(values, indices, numel, "gtopk_allreduce");
   BL_CHECK(k >= 0, "gtopk_allreduce: k must be >= 0, got ", k);
+  BL_CHECK(value_bits == 0 || value_bits == 4, "gtopk_allreduce: value_bits must be 0 (the values' dtype) or 4, got ",
+           value_bits);
+  BL_CHECK(!(exact && value_bits == 4), "gtopk_allreduce: exact=True sums the ranks' exact values, so it cannot be "
+           "combined with value_bits=4");
   const int64_t P = pg->getSize(), me = pg->getRank();
   const auto dev = values.device();
   at::Tensor out_v, out_i;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "gtopk_allreduce", [&] {
     using T = scalar_t;
-    GTopK<T> g{pg, k, dev};
+    GTopK<T> g{pg, k, dev, numel, value_bits};
     // Local canonical set (kept whole for exact=true), then trimmed to k.
     auto hv = values.cpu().contiguous();
     auto hi = indices.cpu().contiguous();
@@ -94,10 +191,20 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
     std::vector<T> vs;
     std::vector<int32_t> is;
     const int64_t ln = kernels::normalize_raw<T>(lv.data(), li.data(), lv.size(), g.order, vs, is);
+    // A 4-bit contribution is handed back per input entry, which needs one entry per index.
+    BL_CHECK(value_bits != 4 || ln == hi.numel(), "gtopk_allreduce: value_bits=4 needs distinct indices; ",
+             hi.numel() - ln, " of the ", hi.numel(), " are repeats");
     g.sv.resize(std::min<int64_t>(k, ln));
     g.si.resize(g.sv.size());
     g.count = kernels::merge_topk_raw<T>(lv.data(), li.data(), ln, nullptr, nullptr, 0, k, g.sv.data(), g.si.data(),
                                          g.mv, g.mi, g.order);
+    std::vector<T> own_v;  // value_bits = 4: what this rank sends (decoded), at own_i
+    std::vector<int32_t> own_i;
+    if (value_bits == 4) {
+      g.quantize();
+      own_v = g.sv;
+      own_i = g.si;
+    }
 
     if (P > 1 && k > 0) {
       int64_t core = 1;
@@ -122,6 +229,9 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
           pg_exchange(pg, send, recv, me ^ dist, tag);
           g.merge_received(g.unpack(recv));
         }
+        // Every core rank holds the same final set; a 4-bit one is quantized on all of them alike, so that
+        // the extra ranks, which receive it quantized, end with the same bits.
+        if (value_bits == 4 && P > core) g.quantize();
       }
       tag = 1 << 20;
       // Unfold: hand the result back.
@@ -134,6 +244,31 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
         g.pack(send);
         pg_send(pg, send, me + core, tag);
       }
+    }
+
+    if (value_bits == 4) {
+      // Of what this rank sent, what the result holds (both sets ascending): the rest is not applied anywhere
+      // and stays in the sender's residual.
+      for (size_t a = 0, b = 0; a < own_i.size(); ++a) {
+        while (b < static_cast<size_t>(g.count) && g.si[b] < own_i[a]) ++b;
+        if (b == static_cast<size_t>(g.count) || g.si[b] != own_i[a]) own_v[a] = T(0);
+      }
+      // ... per input entry (0 for one beyond this rank's k); a canonical input is walked, not searched.
+      auto back = values.is_cpu() ? values : at::empty_like(hv);  // written in place on the CPU
+      T* bp = back.data_ptr<T>();
+      std::fill(bp, bp + back.numel(), T(0));
+      const int32_t* ip = hi.const_data_ptr<int32_t>();
+      const int64_t n = hi.numel();
+      const bool ascending = std::is_sorted(ip, ip + n);
+      for (int64_t j = 0, a = 0; j < n; ++j) {
+        if (ascending) {
+          while (a < static_cast<int64_t>(own_i.size()) && own_i[a] < ip[j]) ++a;
+        } else {
+          a = std::lower_bound(own_i.begin(), own_i.end(), ip[j]) - own_i.begin();
+        }
+        if (a < static_cast<int64_t>(own_i.size()) && own_i[a] == ip[j]) bp[j] = own_v[a];
+      }
+      if (!values.is_cpu()) values.copy_(back);
     }
 
     out_i = at::from_blob(g.si.data(), {g.count}, at::TensorOptions().dtype(at::kInt)).clone();

@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "kernels/cuda.h"
+#include "kernels/topk.h"
 
 namespace bagua_lite {
 namespace kernels {
@@ -77,6 +78,20 @@ int64_t merge_topk_raw(const T* av, const int32_t* ai, int64_t na, const T* bv, 
     std::copy(mv.begin(), mv.begin() + m, ov);
     std::copy(mi.begin(), mi.begin() + m, oi);
     return m;
+  }
+  bool nan = false;
+  for (int64_t j = 0; j < m; ++j) nan |= magnitude(mv[j]) != magnitude(mv[j]);
+  if (!nan) {
+    // The top-k kernel's order is this one (position order is index order in the union), and its radix
+    // select is linear in m where a comparison select and sort are not: gTop-k merges 2k entries a round.
+    // It writes the values and the positions; the positions then become the union's indices.
+    const auto dt = c10::CppTypeToScalarType<T>::value;
+    auto x = at::from_blob(mv.data(), {m}, at::TensorOptions().dtype(dt));
+    auto vals = at::from_blob(ov, {k}, at::TensorOptions().dtype(dt));
+    auto pos = at::from_blob(oi, {k}, at::TensorOptions().dtype(at::kInt));
+    topk_out(x, k, vals, pos);
+    for (int64_t j = 0; j < k; ++j) oi[j] = mi[oi[j]];
+    return k;
   }
   order.resize(m);
   std::iota(order.begin(), order.end(), 0);

@@ -17,7 +17,7 @@ import torch
 from algo_matrix import CENTRALIZED, DISCONTINUOUS, pick, train
 from gpu_device import DEVICE, join_group, spawn_ranks
 
-ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "powersgd", "qadam",
+ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "gtopk_4bit", "powersgd", "qadam",
                   "decentralized", "decentralized_all", "low_precision_decentralized", "local_sgd", "diloco",
                   "streaming_diloco", "async_model_average", "auto")
 TIMED = {"async_model_average"}  # its rounds follow the clock: neither repeatable nor comparable, only finite
