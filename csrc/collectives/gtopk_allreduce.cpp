@@ -17,9 +17,9 @@
 // ends with the same bits. Bytes per rank: one message per round, log2(P') rounds, plus one message for
 // each folded pair (sent by the extra rank before, and by its partner after).
 // value_bits = 4: each rank's own k entries are quantized once (what it contributes; `values` is
-// overwritten with the part of that the result kept, for its error feedback); a merged set is quantized again before each later send,
-// and that error is nobody's. When P is not a power of two the core ranks all quantize the final set, so
-// the ranks that receive it last hold the same bits.
+// overwritten with the part of that the result kept, for its error feedback); a merged set is quantized
+// again before each later send, and that error is nobody's. When P is not a power of two the core ranks
+// all quantize the final set, so the ranks that receive it last hold the same bits.
 // exact=true: one allreduce of |S| values makes each value the exact sum of the ranks' inputs there.
 #include <ATen/Dispatch.h>
 
@@ -52,17 +52,19 @@ struct GTopK {
   bool encoded = false;
   int64_t count = 0;
 
+  // The float32 scales in front of a 4-bit message's levels.
+  static int64_t scale_bytes(int64_t k) { return 4 * ((k + kQ4Block - 1) / kQ4Block); }
   bool bitmap() const { return numel >= 0 && (numel + 7) / 8 < 4 * k; }
   int64_t index_bytes() const { return bitmap() ? (numel + 7) / 8 : 4 * k; }
   int64_t value_bytes() const {
-    return value_bits == 4 ? 4 * ((k + kQ4Block - 1) / kQ4Block) + (k + 1) / 2 : k * static_cast<int64_t>(sizeof(T));
+    return value_bits == 4 ? scale_bytes(k) + (k + 1) / 2 : k * static_cast<int64_t>(sizeof(T));
   }
   int64_t msg_bytes() const { return value_bytes() + index_bytes(); }
 
   // value_bits = 4: encode the current set into `codes` and replace its values by their decoding.
   void quantize() {
     codes.assign(value_bytes(), 0);
-    uint8_t* lv = codes.data() + 4 * ((k + kQ4Block - 1) / kQ4Block);
+    uint8_t* lv = codes.data() + scale_bytes(k);
     float f[kQ4Block];
     int8_t q[kQ4Block + 1];
     for (int64_t lo = 0, b = 0; lo < count; lo += kQ4Block, ++b) {
@@ -91,7 +93,7 @@ struct GTopK {
   }
 
   static void decode_values(const uint8_t* p, int64_t n, int64_t k, T* out) {
-    const uint8_t* lv = p + 4 * ((k + kQ4Block - 1) / kQ4Block);
+    const uint8_t* lv = p + scale_bytes(k);
     for (int64_t lo = 0; lo < n; lo += kQ4Block) {
       float s;
       std::memcpy(&s, p + 4 * (lo / kQ4Block), 4);
