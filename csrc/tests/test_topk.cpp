@@ -182,11 +182,12 @@ void test_random_sizes() {
       std::set<int64_t> ks = {0, 1, n / 2, n - 1, n, std::min<int64_t>(n, 5)};
       for (int64_t k : ks) run_case(x, k, "random small");
     }
-    // Fast-path sizes: n >= 2^16 and k <= n/8.
+    // Fast-path sizes: n >= 2^16 and k <= n - n/4.
     const at::Tensor big = randn(int64_t(1) << 20, dt);
-    for (int64_t k : {1, 7, 1000, 10000, (1 << 20) / 8}) run_case(big, k, "random 1M", kFast);
+    for (int64_t k : {1, 7, 1000, 10000, (1 << 20) / 8, (1 << 20) / 4, (1 << 20) / 2, (1 << 20) - (1 << 18)})
+      run_case(big, k, "random 1M", kFast);
     // k just above the fast-path limit, and close to n: fallback.
-    for (int64_t k : {(1 << 20) / 8 + 1, (1 << 20) / 2, (1 << 20) - 3}) run_case(big, k, "random 1M large k");
+    for (int64_t k : {(1 << 20) - (1 << 18) + 1, (1 << 20) - 3}) run_case(big, k, "random 1M large k");
     // Odd size (not a multiple of any block), 2-D input read as flat.
     const at::Tensor odd = randn(1000003, dt);
     run_case(odd, 2500, "random odd n", kFast);
