@@ -17,7 +17,6 @@ sends each value as a 4-bit level with one scale per 64 values: the values' part
 collective hands back what was sent). With more than 2 ranks a merged set is quantized again before each
 later round; that error is no rank's and is not fed back.
 """
-import torch
 
 from bagua_lite import comm, kernels
 from bagua_lite import cost_model as cm
@@ -69,13 +68,11 @@ class GTopK(ErrorFeedbackSparsifier):
         # value_bits=4 overwrites values with what of this rank's contribution the result kept (decoded levels).
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact,
                                                    numel=flat.numel(), value_bits=self.value_bits)
-        # Error feedback forgets what this rank sent and the global set kept (exact or not), by a mask over
-        # this rank's k entries: a boolean index would read its count back from the device.
-        mine = indices.long()
+        # Error feedback forgets what this rank sent and the global set kept (exact or not).
         if self.value_bits is None:
-            acc.index_copy_(0, mine, acc.index_select(0, mine).masked_fill_(torch.isin(indices, g_indices), 0))
-        else:  # values: what of this rank's levels the result kept; what they left out stays
-            acc.index_copy_(0, mine, acc.index_select(0, mine).sub_(values))
+            kernels.ef_remove_(acc, indices, kept=g_indices)
+        else:  # values: what of this rank's levels the result kept; what they left out stays (a - v == a + -v)
+            kernels.scatter_add_(acc, values.neg_(), indices)
         self.clear_result(flat, bucket.index)           # k entries, not the whole bucket
         kernels.scatter_add_(flat, g_values.div_(self.world_size), g_indices)  # average: divide k values, not n
         return g_indices

@@ -77,9 +77,10 @@ def scatter_add_(dense, values, indices):
     return dense
 
 
-def ef_remove_(residual, indices):
-    """Error feedback: zero the entries of ``residual`` that were communicated."""
-    _C.ef_remove_(residual, indices)
+def ef_remove_(residual, indices, kept=None):
+    """Error feedback: zero the entries of ``residual`` that were communicated. With ``kept`` (int32,
+    strictly ascending, e.g. gTop-k's global set): only the entries of ``indices`` that ``kept`` holds."""
+    _C.ef_remove_(residual, indices, kept)
     return residual
 
 

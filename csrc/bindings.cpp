@@ -138,8 +138,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("scatter_add_", [](at::Tensor dense, const at::Tensor& v, const at::Tensor& i) { kern::scatter_add_(dense, v, i); },
         py::arg("dense"), py::arg("values"), py::arg("indices"), release());
-  m.def("ef_remove_", [](at::Tensor r, const at::Tensor& i) { kern::ef_remove_(r, i); }, py::arg("residual"),
-        py::arg("indices"), release());
+  m.def("ef_remove_",
+        [](at::Tensor r, const at::Tensor& i, std::optional<at::Tensor> kept) {
+          kern::ef_remove_(r, i, kept ? *kept : at::Tensor());
+        },
+        py::arg("residual"), py::arg("indices"), py::arg("kept") = py::none(), release());
   m.def("all_finite", &kern::all_finite, py::arg("x"), release());
   m.def("scale_checked",
         [](at::Tensor dst, std::optional<at::Tensor> src, double scale) {

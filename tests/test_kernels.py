@@ -344,6 +344,24 @@ def test_ef_remove(dtype):
     assert torch.equal(r, ref)
 
 
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_ef_remove_only_what_was_kept(dtype):
+    """kept: zero only the entries of indices that kept (ascending) also holds, against torch.isin."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((1000, 300), (64 * 7 + 3, 64 * 7 + 3), (20000, 5000)):
+        r = _rand(n, 11, dtype) + 10
+        idx = torch.randperm(n, generator=g)[:k].to(torch.int32)  # unsorted, as a caller may hold them
+        kept = torch.randperm(n, generator=g)[:k].sort().values.to(torch.int32)
+        ref = r.clone()
+        ref[idx[torch.isin(idx, kept)].long()] = 0
+        assert K.ef_remove_(r, idx, kept=kept) is r and torch.equal(r, ref), (n, k)
+        if k < n:
+            assert int((r == 0).sum()) < k  # not every sent entry was kept
+        before = r.clone()
+        K.ef_remove_(r, idx, kept=torch.zeros(0, dtype=torch.int32))
+        assert torch.equal(r, before)  # nothing kept: nothing zeroed
+
+
 def test_ef_remove_bad_arguments():
     r = torch.ones(5)
     with pytest.raises(ValueError, match=r"ef_remove_: index 5 out of range \[0, 5\)"):
@@ -354,6 +372,14 @@ def test_ef_remove_bad_arguments():
         K.ef_remove_(r, torch.tensor([1]))
     with pytest.raises(ValueError, match=r"`residual` must be contiguous"):
         K.ef_remove_(torch.ones(10)[::2], torch.tensor([1], dtype=torch.int32))
+    i = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"ef_remove_: `kept` must be strictly ascending; position 1 has 1 after 2"):
+        K.ef_remove_(r, i, kept=torch.tensor([2, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"ef_remove_: kept index 5 out of range \[0, 5\)"):
+        K.ef_remove_(r, i, kept=torch.tensor([5], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`kept` must be int32, got Long"):
+        K.ef_remove_(r, i, kept=torch.tensor([1]))
+    assert torch.equal(r, torch.ones(5))  # nothing written by a rejected call
 
 
 def test_sparse_bad_arguments():

@@ -59,6 +59,9 @@ class Selection:
         used only if every one of its tensors was written with them this round (``filled``), and are
         zeroed after each selection."""
         kmax = max(self.k_for(b, d) for b in buckets for d in [self.density] + self.warmup_densities)
+        # topk_out reads the bounds only where k <= blocks / 4 (density <= 1/256); above that, keeping them
+        # would cost the accumulating pass a max per element for nothing.
+        use_block_max = use_block_max and self.density <= 1 / 256
         self.block_max = [torch.zeros((b.numel + 63) // 64, dtype=torch.int32)
                           if use_block_max and not self.layerwise and b.dtype == torch.float32
                           and b.flat.device.type == "cpu" else None for b in buckets]

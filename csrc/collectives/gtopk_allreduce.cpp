@@ -22,10 +22,13 @@
 // all quantize the final set, so the ranks that receive it last hold the same bits.
 // exact=true: one allreduce of |S| values makes each value the exact sum of the ranks' inputs there.
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <type_traits>
 
 #include "collectives/collectives.h"
 #include "kernels/sparse.h"
@@ -37,18 +40,40 @@ namespace {
 // One float32 scale per block of this many entries of a 4-bit message.
 constexpr int64_t kQ4Block = 64;
 
+// A call's working sets, kept per calling thread and dtype between calls: each is a few times k entries, and
+// allocating them afresh every step cost page faults and zero-filling on top of the work itself.
 template <typename T>
-struct GTopK {
+struct Buffers {
+  // The current set (canonical), a received set, merge scratch; this rank's own sent set (value_bits = 4);
+  // a copy of a non-canonical input.
+  std::vector<T> sv, rv, mv, ov, own_v, lv;
+  std::vector<int32_t> si, ri, mi, oi, own_i, li;
+  std::vector<int64_t> order;
+  std::vector<uint8_t> codes;   // value_bits = 4: the encoded current set while `encoded` holds
+  std::vector<uint64_t> marks, own_bits, recv_bits;  // one bit per index: membership in a set
+};
+
+template <typename T>
+Buffers<T>& kept_buffers() {
+  static thread_local Buffers<T> kept;
+  return kept;
+}
+
+template <typename T>
+struct GTopK : Buffers<T> {
+  using B = Buffers<T>;
+  using B::sv, B::rv, B::mv, B::ov, B::si, B::ri, B::mi, B::oi, B::order, B::codes;
+  GTopK(const ProcessGroupPtr& pg, int64_t k, at::Device dev, int64_t numel, int64_t value_bits)
+      : B(std::move(kept_buffers<T>())), pg(pg), k(k), dev(dev), numel(numel), value_bits(value_bits) {}
+  ~GTopK() { kept_buffers<T>() = std::move(static_cast<B&>(*this)); }
+  GTopK(const GTopK&) = delete;
+  GTopK& operator=(const GTopK&) = delete;
+
   const ProcessGroupPtr& pg;
   const int64_t k;
   const at::Device dev;
   const int64_t numel;      // the dense length (-1: unknown; index list only)
   const int64_t value_bits;  // 0: the values' dtype; 4: 4-bit levels with a scale per block
-  // The current set (canonical), a received set, and merge scratch; all reused across rounds.
-  std::vector<T> sv, rv, mv, ov;
-  std::vector<int32_t> si, ri, mi, oi;
-  std::vector<int64_t> order;
-  std::vector<uint8_t> codes;  // value_bits = 4: the encoded current set while `encoded` holds
   bool encoded = false;
   int64_t count = 0;
 
@@ -66,7 +91,7 @@ struct GTopK {
     codes.assign(value_bytes(), 0);
     uint8_t* lv = codes.data() + scale_bytes(k);
     float f[kQ4Block];
-    int8_t q[kQ4Block + 1];
+    int8_t q[kQ4Block];
     for (int64_t lo = 0, b = 0; lo < count; lo += kQ4Block, ++b) {
       const int64_t len = std::min(count - lo, kQ4Block);
       float amax = 0.f;
@@ -84,9 +109,9 @@ struct GTopK {
         q[i] = l == l ? static_cast<int8_t>(l) : 0;  // a non-finite block: deterministic (screened before anyway)
         sv[lo + i] = static_cast<T>(static_cast<float>(q[i]) * s);  // as decoded: a level of -0.0 is +0
       }
-      q[len] = -8;  // the odd last entry's partner: a zero nibble
       for (int64_t i = 0; i < len; i += 2) {
-        lv[(lo + i) / 2] = static_cast<uint8_t>((q[i] + 8) | ((q[i + 1] + 8) << 4));
+        const int partner = i + 1 < len ? q[i + 1] : -8;  // an odd last entry's partner: a zero nibble
+        lv[(lo + i) / 2] = static_cast<uint8_t>((q[i] + 8) | ((partner + 8) << 4));
       }
     }
     encoded = true;
@@ -134,7 +159,19 @@ struct GTopK {
     ri.resize(k);
     int64_t n = 0;
     if (bitmap()) {
-      for (int64_t byte = 0; byte < index_bytes(); ++byte) {
+      const int64_t nb = index_bytes();
+      int64_t byte = 0;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+      // Eight bytes at a time: in a little-endian word, bit j of byte b is bit 8 b + j.
+      for (; byte + 8 <= nb; byte += 8) {
+        uint64_t w;
+        std::memcpy(&w, ip + byte, 8);
+        BL_CHECK(n + __builtin_popcountll(w) <= k, "gtopk_allreduce: a peer's bitmap holds more than k = ", k,
+                 " indices");
+        for (; w; w &= w - 1) ri[n++] = static_cast<int32_t>(8 * byte + __builtin_ctzll(w));
+      }
+#endif
+      for (; byte < nb; ++byte) {
         for (unsigned bits = ip[byte]; bits; bits &= bits - 1) {
           BL_CHECK(n < k, "gtopk_allreduce: a peer's bitmap holds more than k = ", k, " indices");
           ri[n++] = static_cast<int32_t>(8 * byte + __builtin_ctz(bits));
@@ -150,6 +187,85 @@ struct GTopK {
       std::memcpy(rv.data(), p, n * sizeof(T));
     }
     return n;
+  }
+
+  // The set merged with a received message.
+  void merge(const at::Tensor& wire) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (bitmap()) return merge_bitmap(wire);
+#endif
+    merge_received(unpack(wire));
+  }
+
+  // A bitmap message merges straight from the two bitmaps (this set's, built here, and the received one)
+  // and the values in index order, without listing the received indices first. Where each entry's value
+  // comes from follows from the bits, so no step waits on comparing two loaded indices. The same union
+  // (sums at equal indices, own value + received value) and selection as merge_received.
+  void merge_bitmap(const at::Tensor& wire) {
+    auto host = wire.device().is_cpu() ? wire : wire.cpu();
+    const uint8_t* p = host.const_data_ptr<uint8_t>();
+    const int64_t nbytes = index_bytes(), words = (nbytes + 7) / 8;
+    auto& rb = this->recv_bits;
+    auto& ob = this->own_bits;
+    rb.assign(words, 0);
+    std::memcpy(rb.data(), p + value_bytes(), nbytes);  // little-endian: byte b lands in bits 8 (b % 8) of word b / 8
+    int64_t n = 0;
+    for (int64_t w = 0; w < words; ++w) n += __builtin_popcountll(rb[w]);
+    BL_CHECK(n <= k, "gtopk_allreduce: a peer's bitmap holds ", n, " indices, more than k = ", k);
+    const int64_t tail = numel - 64 * (words - 1);  // valid bits of the last word
+    BL_CHECK(words == 0 || tail >= 64 || (rb[words - 1] >> tail) == 0,
+             "gtopk_allreduce: a peer's bitmap has bits set past numel = ", numel);
+    rv.resize(n + 1);  // + the padding slot (below)
+    if (value_bits == 4) {
+      decode_values(p, n, k, rv.data());
+    } else {
+      std::memcpy(rv.data(), p, n * sizeof(T));
+    }
+    ob.assign(words, 0);
+    const int32_t* own = si.data();
+    for (int64_t j = 0, c = count; j < c; ++j) ob[own[j] >> 6] |= uint64_t(1) << (own[j] & 63);
+    using acc_t = at::opmath_type<T>;
+    // Each entry picks its value by masks on the bits, not by branches (the compiler turns selects between
+    // loaded values into branches, mispredicted half the time here). Both sets get one padding slot, so
+    // the loads past an exhausted set stay inside.
+    using U = std::conditional_t<sizeof(T) == 8, uint64_t, std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>>;
+    static_assert(sizeof(U) == sizeof(T), "one unsigned word per value");
+    sv.push_back(T(0));
+    mv.resize(count + n);
+    mi.resize(count + n);
+    const T* av = sv.data();
+    const T* bv = rv.data();
+    T* __restrict__ uv = mv.data();
+    int32_t* __restrict__ ui = mi.data();
+    int64_t a = 0, b = 0, m = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      const uint64_t A = ob[w], Bw = rb[w];
+      for (uint64_t u = A | Bw; u; u &= u - 1) {
+        const int bit = __builtin_ctzll(u);
+        const U ia = U((A >> bit) & 1), ib = U((Bw >> bit) & 1);
+        const T va = av[a], vb = bv[b];
+        const T sum = static_cast<T>(static_cast<acc_t>(va) + static_cast<acc_t>(vb));
+        U xa, xb, xs;
+        std::memcpy(&xa, &va, sizeof(U));
+        std::memcpy(&xb, &vb, sizeof(U));
+        std::memcpy(&xs, &sum, sizeof(U));
+        const U pick = (xs & U(0 - (ia & ib))) | (xa & U(0 - (ia & (ib ^ 1)))) | (xb & U(0 - ((ia ^ 1) & ib)));
+        std::memcpy(uv + m, &pick, sizeof(U));
+        ui[m] = static_cast<int32_t>(64 * w + bit);
+        a += ia;
+        b += ib;
+        ++m;
+      }
+    }
+    sv.pop_back();
+    ov.resize(std::min<int64_t>(k, m));
+    oi.resize(ov.size());
+    count = kernels::keep_topk_raw<T>(mv.data(), mi.data(), m, k, ov.data(), oi.data(), order);
+    sv.swap(ov);
+    si.swap(oi);
+    sv.resize(count);
+    si.resize(count);
+    encoded = false;
   }
 
   void merge_received(int64_t n) {
@@ -184,28 +300,41 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "gtopk_allreduce", [&] {
     using T = scalar_t;
-    GTopK<T> g{pg, k, dev, numel, value_bits};
-    // Local canonical set (kept whole for exact=true), then trimmed to k.
+    GTopK<T> g(pg, k, dev, numel, value_bits);
+    // Local canonical set (kept whole for exact=true), then trimmed to k. A canonical input (the selection's
+    // output always is) is read where it lies; any other is normalized in a copy.
     auto hv = values.cpu().contiguous();
     auto hi = indices.cpu().contiguous();
-    std::vector<T> lv(hv.const_data_ptr<T>(), hv.const_data_ptr<T>() + hv.numel());
-    std::vector<int32_t> li(hi.const_data_ptr<int32_t>(), hi.const_data_ptr<int32_t>() + hi.numel());
-    std::vector<T> vs;
-    std::vector<int32_t> is;
-    const int64_t ln = kernels::normalize_raw<T>(lv.data(), li.data(), lv.size(), g.order, vs, is);
+    const T* lv = hv.const_data_ptr<T>();
+    const int32_t* li = hi.const_data_ptr<int32_t>();
+    int64_t ln = hi.numel();
+    const bool canonical = std::adjacent_find(li, li + ln, std::greater_equal<int32_t>()) == li + ln;
+    if (!canonical) {
+      g.lv.assign(lv, lv + ln);
+      g.li.assign(li, li + ln);
+      ln = kernels::normalize_raw<T>(g.lv.data(), g.li.data(), ln, g.order, g.mv, g.mi);
+      lv = g.lv.data();
+      li = g.li.data();
+    }
     // A 4-bit contribution is handed back per input entry, which needs one entry per index.
     BL_CHECK(value_bits != 4 || ln == hi.numel(), "gtopk_allreduce: value_bits=4 needs distinct indices; ",
              hi.numel() - ln, " of the ", hi.numel(), " are repeats");
-    g.sv.resize(std::min<int64_t>(k, ln));
-    g.si.resize(g.sv.size());
-    g.count = kernels::merge_topk_raw<T>(lv.data(), li.data(), ln, nullptr, nullptr, 0, k, g.sv.data(), g.si.data(),
-                                         g.mv, g.mi, g.order);
-    std::vector<T> own_v;  // value_bits = 4: what this rank sends (decoded), at own_i
-    std::vector<int32_t> own_i;
+    if (ln <= k) {
+      g.sv.assign(lv, lv + ln);
+      g.si.assign(li, li + ln);
+      g.count = ln;
+    } else {
+      g.sv.resize(k);
+      g.si.resize(k);
+      g.count = kernels::merge_topk_raw<T>(lv, li, ln, nullptr, nullptr, 0, k, g.sv.data(), g.si.data(), g.mv, g.mi,
+                                           g.order);
+    }
+    auto& own_v = g.own_v;  // value_bits = 4: what this rank sends (decoded), at own_i
+    auto& own_i = g.own_i;
     if (value_bits == 4) {
       g.quantize();
-      own_v = g.sv;
-      own_i = g.si;
+      own_v.assign(g.sv.begin(), g.sv.end());
+      own_i.assign(g.si.begin(), g.si.end());
     }
 
     if (P > 1 && k > 0) {
@@ -221,7 +350,7 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
         pg_send(pg, send, me - core, tag);
       } else if (me + core < P) {
         pg_recv(pg, recv, me + core, tag);
-        g.merge_received(g.unpack(recv));
+        g.merge(recv);
       }
       ++tag;
       // Recursive doubling inside the core.
@@ -229,7 +358,7 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
         for (int64_t dist = 1; dist < core; dist *= 2, ++tag) {
           g.pack(send);
           pg_exchange(pg, send, recv, me ^ dist, tag);
-          g.merge_received(g.unpack(recv));
+          g.merge(recv);
         }
         // Every core rank holds the same final set; a 4-bit one is quantized on all of them alike, so that
         // the extra ranks, which receive it quantized, end with the same bits.
@@ -249,26 +378,38 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
     }
 
     if (value_bits == 4) {
-      // Of what this rank sent, what the result holds (both sets ascending): the rest is not applied anywhere
-      // and stays in the sender's residual.
-      for (size_t a = 0, b = 0; a < own_i.size(); ++a) {
-        while (b < static_cast<size_t>(g.count) && g.si[b] < own_i[a]) ++b;
-        if (b == static_cast<size_t>(g.count) || g.si[b] != own_i[a]) own_v[a] = T(0);
+      // Of what this rank sent, what the result holds: the rest is not applied anywhere and stays in the
+      // sender's residual. Membership by one bit per index (the two ascending lists interleave at random,
+      // which a merge-walk pays for in mispredicted branches).
+      if (!own_i.empty()) {
+        const int64_t top = std::max<int64_t>(own_i.back(), g.count > 0 ? g.si[g.count - 1] : 0);
+        auto& marks = g.marks;
+        marks.assign(top / 64 + 1, 0);
+        for (int64_t j = 0; j < g.count; ++j) marks[g.si[j] >> 6] |= uint64_t(1) << (g.si[j] & 63);
+        for (size_t a = 0; a < own_i.size(); ++a) {
+          const bool kept = (marks[own_i[a] >> 6] >> (own_i[a] & 63)) & 1;
+          own_v[a] = kept ? own_v[a] : T(0);
+        }
       }
-      // ... per input entry (0 for one beyond this rank's k); a canonical input is walked, not searched.
+      // ... per input entry (0 for one beyond this rank's k). An input that was canonical and within k is
+      // own_i itself; another one is walked (ascending) or searched.
       auto back = values.is_cpu() ? values : at::empty_like(hv);  // written in place on the CPU
       T* bp = back.data_ptr<T>();
-      std::fill(bp, bp + back.numel(), T(0));
-      const int32_t* ip = hi.const_data_ptr<int32_t>();
       const int64_t n = hi.numel();
-      const bool ascending = std::is_sorted(ip, ip + n);
-      for (int64_t j = 0, a = 0; j < n; ++j) {
-        if (ascending) {
-          while (a < static_cast<int64_t>(own_i.size()) && own_i[a] < ip[j]) ++a;
-        } else {
-          a = std::lower_bound(own_i.begin(), own_i.end(), ip[j]) - own_i.begin();
+      if (canonical && n <= k) {
+        std::copy(own_v.begin(), own_v.end(), bp);
+      } else {
+        std::fill(bp, bp + n, T(0));
+        const int32_t* ip = hi.const_data_ptr<int32_t>();
+        const bool ascending = std::is_sorted(ip, ip + n);
+        for (int64_t j = 0, a = 0; j < n; ++j) {
+          if (ascending) {
+            while (a < static_cast<int64_t>(own_i.size()) && own_i[a] < ip[j]) ++a;
+          } else {
+            a = std::lower_bound(own_i.begin(), own_i.end(), ip[j]) - own_i.begin();
+          }
+          if (a < static_cast<int64_t>(own_i.size()) && own_i[a] == ip[j]) bp[j] = own_v[a];
         }
-        if (a < static_cast<int64_t>(own_i.size()) && own_i[a] == ip[j]) bp[j] = own_v[a];
       }
       if (!values.is_cpu()) values.copy_(back);
     }
@@ -279,8 +420,8 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
       // Each rank's own value at every selected index (0 where it had none), summed over ranks.
       T* ov = out_v.data_ptr<T>();
       for (int64_t j = 0; j < g.count; ++j) {
-        auto it = std::lower_bound(li.begin(), li.begin() + ln, g.si[j]);
-        ov[j] = (it != li.begin() + ln && *it == g.si[j]) ? lv[it - li.begin()] : T(0);
+        const int32_t* it = std::lower_bound(li, li + ln, g.si[j]);
+        ov[j] = (it != li + ln && *it == g.si[j]) ? lv[it - li] : T(0);
       }
       out_v = out_v.to(dev);
       pg_allreduce_sum(pg, out_v);

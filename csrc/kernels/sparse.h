@@ -21,6 +21,11 @@ template <typename T>
 int64_t merge_topk_raw(const T* av, const int32_t* ai, int64_t na, const T* bv, const int32_t* bi, int64_t nb,
                        int64_t k, T* ov, int32_t* oi, std::vector<T>& mv, std::vector<int32_t>& mi,
                        std::vector<int64_t>& order_scratch);
+// Step 2 of merge_topk_raw: of a canonical set (mv, mi) of m entries, the k largest by magnitude (ties: lower
+// index) into (ov, oi), canonical; returns their count.
+template <typename T>
+int64_t keep_topk_raw(T* mv, const int32_t* mi, int64_t m, int64_t k, T* ov, int32_t* oi,
+                      std::vector<int64_t>& order_scratch);
 
 // Tensor forms (Python `bagua_lite.kernels`).
 // Sort by index and sum duplicates: returns a canonical set.
@@ -31,7 +36,9 @@ std::tuple<at::Tensor, at::Tensor> merge_topk(const at::Tensor& av, const at::Te
 // dense[indices[j]] += values[j], in order of j (deterministic). Indices must lie in [0, dense.numel()).
 void scatter_add_(at::Tensor& dense, const at::Tensor& values, const at::Tensor& indices);
 // Error feedback: residual already holds (gradient + old residual); remove the entries that were sent.
-void ef_remove_(at::Tensor& residual, const at::Tensor& indices);
+// With `kept` (int32, strictly ascending: gTop-k's global set), only the entries of `indices` that `kept` also
+// holds are zeroed: what this rank sent and the global result kept.
+void ef_remove_(at::Tensor& residual, const at::Tensor& indices, const at::Tensor& kept = {});
 
 // Non-finite detection without a tensor-sized temporary (float32 CPU: one vectorised pass over the
 // exponent bits; other dtypes/devices fall back to ATen).
