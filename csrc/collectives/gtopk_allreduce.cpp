@@ -221,9 +221,7 @@ struct GTopK : Buffers<T> {
     } else {
       std::memcpy(rv.data(), p, n * sizeof(T));
     }
-    ob.assign(words, 0);
-    const int32_t* own = si.data();
-    for (int64_t j = 0, c = count; j < c; ++j) ob[own[j] >> 6] |= uint64_t(1) << (own[j] & 63);
+    kernels::index_bits(ob, words, si.data(), count);
     using acc_t = at::opmath_type<T>;
     // Each entry picks its value by masks on the bits, not by branches (the compiler turns selects between
     // loaded values into branches, mispredicted half the time here). Both sets get one padding slot, so
@@ -379,16 +377,12 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
 
     if (value_bits == 4) {
       // Of what this rank sent, what the result holds: the rest is not applied anywhere and stays in the
-      // sender's residual. Membership by one bit per index (the two ascending lists interleave at random,
-      // which a merge-walk pays for in mispredicted branches).
+      // sender's residual. Membership by one bit per index of the result.
       if (!own_i.empty()) {
         const int64_t top = std::max<int64_t>(own_i.back(), g.count > 0 ? g.si[g.count - 1] : 0);
-        auto& marks = g.marks;
-        marks.assign(top / 64 + 1, 0);
-        for (int64_t j = 0; j < g.count; ++j) marks[g.si[j] >> 6] |= uint64_t(1) << (g.si[j] & 63);
+        kernels::index_bits(g.marks, top / 64 + 1, g.si.data(), g.count);
         for (size_t a = 0; a < own_i.size(); ++a) {
-          const bool kept = (marks[own_i[a] >> 6] >> (own_i[a] & 63)) & 1;
-          own_v[a] = kept ? own_v[a] : T(0);
+          own_v[a] = kernels::has_index_bit(g.marks, own_i[a]) ? own_v[a] : T(0);
         }
       }
       // ... per input entry (0 for one beyond this rank's k). An input that was canonical and within k is

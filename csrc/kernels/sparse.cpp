@@ -288,13 +288,12 @@ void ef_remove_(at::Tensor& residual, const at::Tensor& indices, const at::Tenso
       BL_CHECK(j == 0 || kp[j - 1] < kp[j], "ef_remove_: `kept` must be strictly ascending; position ", j, " has ",
                kp[j], " after ", kp[j - 1]);
     }
-    bits.assign((n + 63) / 64, 0);
-    for (int64_t j = 0; j < nk; ++j) bits[kp[j] >> 6] |= uint64_t(1) << (kp[j] & 63);
+    index_bits(bits, (n + 63) / 64, kp, nk);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, residual.scalar_type(), "ef_remove_", [&] {
     scalar_t* r = residual.data_ptr<scalar_t>();
     for (int64_t j = 0; j < m; ++j) {
-      if (!only_kept || ((bits[ip[j] >> 6] >> (ip[j] & 63)) & 1)) r[ip[j]] = scalar_t(0);
+      if (!only_kept || has_index_bit(bits, ip[j])) r[ip[j]] = scalar_t(0);
     }
   });
 }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <cstdint>
 #include <tuple>
 #include <vector>
 
@@ -26,6 +27,14 @@ int64_t merge_topk_raw(const T* av, const int32_t* ai, int64_t na, const T* bv, 
 template <typename T>
 int64_t keep_topk_raw(T* mv, const int32_t* mi, int64_t m, int64_t k, T* ov, int32_t* oi,
                       std::vector<int64_t>& order_scratch);
+
+// A set of indices as one bit per position: bit i % 64 of bits[i / 64] for each of idx[0, n), all in
+// [0, 64 words). A membership test per index, where a walk over two sorted lists mispredicts its branches.
+inline void index_bits(std::vector<uint64_t>& bits, int64_t words, const int32_t* idx, int64_t n) {
+  bits.assign(words, 0);
+  for (int64_t j = 0; j < n; ++j) bits[idx[j] >> 6] |= uint64_t(1) << (idx[j] & 63);
+}
+inline bool has_index_bit(const std::vector<uint64_t>& bits, int32_t i) { return (bits[i >> 6] >> (i & 63)) & 1; }
 
 // Tensor forms (Python `bagua_lite.kernels`).
 // Sort by index and sum duplicates: returns a canonical set.
