@@ -16,6 +16,12 @@ sends each value as a 4-bit level with one scale per 64 values: the values' part
 4 bytes to about 0.56, and what a rank's levels left out of an entry it sent stays in its residual (the
 collective hands back what was sent). With more than 2 ranks a merged set is quantized again before each
 later round; that error is no rank's and is not fed back.
+
+``final_union=True`` departs from the paper in its last round: the two partners keep the whole union of
+their sets (at most 2k entries) instead of its k largest. A round's messages are its inputs, so that costs no
+byte (when P is not a power of two, the hand-back to the extra ranks is laid out for 2k), and what would
+have been cut goes to the weights instead of back to the residuals; at P = 2 the step applies both ranks'
+selections (as topk does, in gtopk's wire). The update is then up to 2k-sparse.
 """
 
 from bagua_lite import comm, kernels
@@ -29,13 +35,15 @@ from .parts.sparse import ErrorFeedbackSparsifier
 class GTopK(ErrorFeedbackSparsifier):
     def __init__(self, density: float = 0.001, warmup_densities: list = (0.25, 0.0625, 0.016, 0.004),
                  warmup_steps_per_stage: int = 0, momentum_correction=None, layerwise: bool = False,
-                 exact: bool = False, value_bits=None):
+                 exact: bool = False, value_bits=None, final_union: bool = False):
         super().__init__(density, warmup_densities, warmup_steps_per_stage, momentum_correction, layerwise)
         if value_bits not in (None, 4) or isinstance(value_bits, bool):
             raise ValueError(f"gtopk: value_bits must be None (values as the bucket's dtype) or 4, got {value_bits!r}")
         if exact and value_bits is not None:
             raise ValueError("gtopk: exact=True sums the ranks' exact values; it cannot be combined with value_bits=4")
-        self.exact, self.value_bits = exact, value_bits
+        if not isinstance(final_union, bool):
+            raise ValueError(f"gtopk: final_union must be true or false, got {final_union!r}")
+        self.exact, self.value_bits, self.final_union = exact, value_bits, final_union
 
     @staticmethod
     def message_bytes(k, e, n, value_bits=None):
@@ -51,10 +59,11 @@ class GTopK(ErrorFeedbackSparsifier):
         fold in first and receive last: 2 more messages on the critical path); each received message is
         merged (2k pairs), then the scatter of k. ``exact``: plus a ring allreduce of k values."""
         msg, core = cls.message_bytes(k, e, n, o.get("value_bits")), cm.pow2_core(P)
+        back = cls.message_bytes(2 * k, e, n, o.get("value_bits")) if o.get("final_union") else msg  # the hand-back
         L, r = core.bit_length() - 1, 0 if rank is None else rank
-        sent = (L + (1 if r + core < P else 0)) if r < core else 1
-        b, lat = sent * msg, L + (2 if P > core else 0)
-        crit = lat * msg
+        b = (L * msg + (back if r + core < P else 0)) if r < core else msg
+        lat = L + (2 if P > core else 0)
+        crit = L * msg + ((msg + back) if P > core else 0)
         if o["exact"]:
             b, lat, crit = b + cm.ring_bytes(k * e, P), lat + 2 * (P - 1), crit + cm.ring_bytes(k * e, P)
         local = 0.0
@@ -67,7 +76,8 @@ class GTopK(ErrorFeedbackSparsifier):
         k = values.numel()
         # value_bits=4 overwrites values with what of this rank's contribution the result kept (decoded levels).
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact,
-                                                   numel=flat.numel(), value_bits=self.value_bits)
+                                                   numel=flat.numel(), value_bits=self.value_bits,
+                                                   final_union=self.final_union)
         # Error feedback forgets what this rank sent and the global set kept (exact or not).
         if self.value_bits is None:
             kernels.ef_remove_(acc, indices, kept=g_indices)

@@ -239,7 +239,7 @@ def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,
                     exact: bool = False, numel: Optional[int] = None,
-                    value_bits: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    value_bits: Optional[int] = None, final_union: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Global Top-k of the ranks' sparse sets (gTop-k S-SGD), by recursive doubling.
 
     In round r each rank swaps its k (value, index) pairs with rank XOR 2^r, sums equal indices and
@@ -256,6 +256,11 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
     subtracts that; the rest stays in its residual). A merged
     set is quantized again before each later round, so with more than 2 ranks the sums also carry that
     error. Needs distinct indices and ``exact=False``; the same ``numel`` and ``value_bits`` on all ranks.
+
+    ``final_union=True``: the last round keeps the whole merged set of its two partners (at most 2k
+    entries) instead of its k largest. The bytes on the wire are the same (a round's messages are its
+    inputs; when P is not a power of two the hand-back to the extra ranks is laid out for 2k entries), and
+    more of what the ranks sent is applied; at P = 2 it is the sum of both ranks' sets. The same on all ranks.
     """
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"bagua_lite.comm.gtopk_allreduce: k must be an int, got {type(k).__name__}")
@@ -264,10 +269,12 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
     if value_bits not in (None, 4) or isinstance(value_bits, bool):
         raise ValueError(f"bagua_lite.comm.gtopk_allreduce: value_bits must be None (the values' dtype) or 4, "
                          f"got {value_bits!r}")
+    if not isinstance(final_union, bool):
+        raise TypeError(f"bagua_lite.comm.gtopk_allreduce: final_union must be a bool, got {final_union!r}")
     pg = resolve_group(group, "gtopk_allreduce")
     check_device(values, pg, "gtopk_allreduce", "values")
     return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact), -1 if numel is None else numel,
-                                    value_bits or 0))
+                                    value_bits or 0, final_union))
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:

@@ -243,7 +243,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_allgather", &coll::sparse_allgather, py::arg("pg"), py::arg("values"), py::arg("indices"),
         py::arg("k") = -1, release());
   m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
-        py::arg("exact"), py::arg("numel") = -1, py::arg("value_bits") = 0, release());
+        py::arg("exact"), py::arg("numel") = -1, py::arg("value_bits") = 0,
+        py::arg("final_union") = false, release());
   m.def("shift_one_partner", &coll::shift_one_partner, py::arg("rank"), py::arg("size"), py::arg("step"));
 
   // ---- engine ----

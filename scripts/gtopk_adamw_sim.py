@@ -13,6 +13,8 @@ lr 1e-3, betas (0.9, 0.999), weight decay 0.01, written out so that its second m
 - ``gtopk_q4``: as gtopk, but the values sent are quantized to 4 bits (absmax per block of 64 sent values,
   identical on both sides), and the quantization error of an applied entry stays in its residual: what
   gtopk's ``value_bits: 4`` now does (its race row reaches the target at 150 steps too).
+- ``gtopk_q4_union``: as gtopk_q4, but the two selections' whole union is applied, not its k largest (gtopk's
+  ``final_union: true``; at 2 replicas gTop-k's one round is its last).
 - ``gtopk_absmax4``: as gtopk_q4 with bagua_lite's registered ``absmax4`` codec (one scale per message).
 - ``v_sqsum``: as gtopk, but Adam's second moment is fed the sum of the squared per-step gradients accumulated
   since the entry was last applied (what a dense run's v would have seen), instead of the delayed sum squared.
@@ -22,7 +24,8 @@ lr 1e-3, betas (0.9, 0.999), weight decay 0.01, written out so that its second m
 It prints the held-out loss every 10 steps and stops at the benchmark's target, 1.25. Measured (2026-11-28):
 dense 140 steps; gtopk 0.1 220; v_sqsum 220; v_dense 230; gtopk 0.25 150; gtopk_q4 0.25 150;
 gtopk_absmax4 0.25 240 (one scale for the whole message is too coarse). So the second moment is not what
-slows gtopk down under AdamW (configs/benchmark_hsdp.yaml's header).
+slows gtopk down under AdamW (configs/benchmark_hsdp.yaml's header). Measured 2026-11-29: gtopk_q4_union 0.25
+140 steps (held-out 1.2458; gtopk_q4 at 140: 1.2633), at 0.15 160.
 """
 import sys
 import time
@@ -33,7 +36,7 @@ from bagua_lite.compressors import get_compressor
 from bagua_lite.bench.data import evaluate, loss_fn, make_task
 from bagua_lite.bench.zoo import make_model
 
-VARIANTS = ("dense", "gtopk", "gtopk_q4", "gtopk_absmax4", "v_sqsum", "v_dense")
+VARIANTS = ("dense", "gtopk", "gtopk_q4", "gtopk_q4_union", "gtopk_absmax4", "v_sqsum", "v_dense")
 
 
 def _absmax4(x, block=64):
@@ -82,7 +85,7 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
             acc = [grads[r] + res[r] for r in range(2)]
             sel = [torch.topk(a.abs(), k).indices.sort().values for a in acc]
             sent_values = [acc[r][sel[r]] for r in range(2)]
-            if variant == "gtopk_q4":
+            if variant in ("gtopk_q4", "gtopk_q4_union"):
                 sent_values = [_absmax4(x) for x in sent_values]
             elif variant == "gtopk_absmax4":
                 sent_values = [_round_trip(codec, x) for x in sent_values]
@@ -90,7 +93,8 @@ def main(variant, density=0.1, max_steps=300, target=1.25):
             for r in range(2):
                 merged.index_add_(0, sel[r], sent_values[r])
             merged /= 2
-            final = torch.topk(merged.abs(), k).indices
+            final = (merged.nonzero().reshape(-1) if variant == "gtopk_q4_union"  # union: nothing is cut
+                     else torch.topk(merged.abs(), k).indices)
             g = torch.zeros(n)
             g[final] = merged[final]
             applied = torch.zeros(n, dtype=torch.bool)

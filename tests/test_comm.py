@@ -283,8 +283,9 @@ def test_sparse_allreduce(cluster):
 # gtopk_allreduce
 
 
-def _simulate_gtopk(sets, k):
-    """The documented algorithm on one process, with the library's own merge kernel."""
+def _simulate_gtopk(sets, k, union=False):
+    """The documented algorithm on one process, with the library's own merge kernel (``union``: the last
+    round keeps the whole merged set, up to 2k)."""
     P = len(sets)
     empty_v, empty_i = sets[0][0][:0], torch.zeros(0, dtype=torch.int32)
     S = []
@@ -300,25 +301,27 @@ def _simulate_gtopk(sets, k):
         S[r - core] = K.merge_topk(*S[r - core], *S[r], k)
     d = 1
     while d < core:
-        S[:core] = [K.merge_topk(*S[r], *S[r ^ d], k) for r in range(core)]
+        keep = 2 * k if union and 2 * d >= core else k
+        S[:core] = [K.merge_topk(*S[r], *S[r ^ d], keep) for r in range(core)]
         d *= 2
     for r in range(core, P):
         S[r] = S[r - core]
     return S
 
 
-def _gtopk_expected_bytes(rank, P, k, elem, count, exact, msg=None):
+def _gtopk_expected_bytes(rank, P, k, elem, count, exact, msg=None, back=None):
     if P == 1 or k == 0:
         return 0
     core = 1
     while core * 2 <= P:
         core *= 2
     msg = k * (elem + 4) if msg is None else msg
+    back = msg if back is None else back  # the unfold's message (laid out for 2k under final_union)
     rounds = core.bit_length() - 1
     if rank >= core:
         b = msg                      # fold send
     elif rank + core < P:
-        b = rounds * msg + msg       # rounds + unfold send
+        b = rounds * msg + back      # rounds + unfold send
     else:
         b = rounds * msg
     if exact and count > 0:
@@ -406,6 +409,21 @@ def _r_gtopk(rank, P, seed):
                     assert sent == expected, (key, sent, expected)
                     hashes[key] = (_sha(v), _sha(i))
 
+    # (d) final_union on (b)'s last sets (float64), exact or not: the simulation's last round keeps the whole
+    # union (up to 2k); exact values are the dense sums there.
+    for k in (16, 100):
+        su_v, su_i = _simulate_gtopk(sets, k, union=True)[rank]
+        for exact in (False, True):
+            v, i = C.gtopk_allreduce(sets[rank][0].clone(), sets[rank][1].clone(), k, exact=exact, final_union=True)
+            assert torch.equal(i, su_i) and i.numel() <= 2 * k, ("union", k, exact)
+            if exact:
+                assert torch.allclose(v, dense[i.long()], rtol=1e-12, atol=1e-12), ("union", k, exact)
+            else:
+                assert torch.equal(v, su_v), ("union", k, exact)
+            hashes[("union", k, exact)] = (_sha(v), _sha(i))
+    if P == 2 or P >= 4:  # the last round's two sets overlap only in part (at P = 3 one of them is empty)
+        assert _simulate_gtopk(sets, 16, union=True)[rank][1].numel() > 16
+
     # (c) A rank-local input longer than k, already canonical, P = any: result still canonical, <= k.
     x = _data(seed, rank, 2000, tag=90)
     li = x.abs().topk(50).indices.sort().values
@@ -435,7 +453,7 @@ def _q4(v):
     return out
 
 
-def _simulate_gtopk_q4(sets, k):
+def _simulate_gtopk_q4(sets, k, union=False):
     """The documented 4-bit algorithm on one process: each rank's own k quantized once; a merged set
     quantized again before it is sent; the final set quantized on the core when P is not a power of two."""
     P = len(sets)
@@ -456,7 +474,8 @@ def _simulate_gtopk_q4(sets, k):
     d = 1
     while d < core:
         Q = [S[r] if fresh[r] else (_q4(S[r][0]), S[r][1]) for r in range(core)]
-        S[:core], fresh[:core] = [K.merge_topk(*Q[r], *Q[r ^ d], k) for r in range(core)], [False] * core
+        keep = 2 * k if union and 2 * d >= core else k
+        S[:core], fresh[:core] = [K.merge_topk(*Q[r], *Q[r ^ d], keep) for r in range(core)], [False] * core
         d *= 2
     if P > core:
         S[:core] = [(_q4(v), i) for v, i in S[:core]]
@@ -479,14 +498,15 @@ def _r_gtopk_wire(rank, P, seed):
             if dtype == torch.float32:
                 idx = idx.sort().values  # ascending, as a top-k hands them over; bfloat16: unsorted
             sets.append(((torch.randn(m, generator=g) * torch.rand(m, generator=g) * 10).to(dtype), idx))
-        for k in (0, 1, 50, 93, 94, 200, 700, 2000):
-            plain = _simulate_gtopk(sets, k)
-            q4, own = _simulate_gtopk_q4(sets, k)
+        for k, union in ((0, False), (1, False), (50, False), (93, False), (94, False), (200, False), (700, False),
+                         (2000, False), (1, True), (47, True), (93, True), (94, True), (200, True), (700, True)):
+            plain = _simulate_gtopk(sets, k, union)
+            q4, own = _simulate_gtopk_q4(sets, k, union)
             for n, bits in ((numel, None), (None, 4), (numel, 4)):
-                key = (str(dtype), k, n, bits)
+                key = (str(dtype), k, n, bits, union)
                 vin = sets[rank][0].clone()
                 C.reset_traffic()
-                v, i = C.gtopk_allreduce(vin, sets[rank][1].clone(), k, numel=n, value_bits=bits)
+                v, i = C.gtopk_allreduce(vin, sets[rank][1].clone(), k, numel=n, value_bits=bits, final_union=union)
                 sent = C.bytes_sent()
                 sv, si = (q4 if bits else plain)[rank]
                 assert torch.equal(i, si), key
@@ -507,7 +527,12 @@ def _r_gtopk_wire(rank, P, seed):
                 else:
                     assert torch.equal(vin, sets[rank][0]), key  # left alone
                 msg = GTopK.message_bytes(k, vin.element_size(), n, bits)
-                expected = _gtopk_expected_bytes(rank, P, k, vin.element_size(), v.numel(), False, msg)
+                back = GTopK.message_bytes(2 * k, vin.element_size(), n, bits) if union else msg
+                expected = _gtopk_expected_bytes(rank, P, k, vin.element_size(), v.numel(), False, msg, back)
+                if union and P > 1:  # what gtopk's cost model says this rank sends
+                    model = GTopK.sparse_traffic({"exact": False, "value_bits": bits, "final_union": True}, P, k,
+                                                 vin.element_size(), rank, n=n)[0][0]
+                    assert sent == model, (key, sent, model)
                 assert sent == expected, (key, sent, expected)
                 hashes[key] = (_sha(v), _sha(i))
     assert GTopK.message_bytes(94, 4, numel, 4) == 4 * 2 + 47 + 375   # the bitmap from k = 94 (375 < 376)

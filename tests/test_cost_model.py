@@ -49,6 +49,10 @@ HAND = {
     ("gtopk", (("density", 0.25),)): {2: 1125, 3: 2250, 4: 2250, 5: 3375, 8: 3375},
     # 4-bit values: 4 scales (16 bytes) + 125 bytes of levels + the 125-byte bitmap = 266
     ("gtopk", (("density", 0.25), ("value_bits", 4))): {2: 266, 3: 532, 4: 532, 5: 798, 8: 798},
+    # final_union: the same rounds; the hand-back to an extra rank laid out for 2k = 500 entries:
+    # 8 scales (32) + 250 bytes of levels + the bitmap (125) = 407
+    ("gtopk", (("density", 0.25), ("value_bits", 4), ("final_union", True))):
+        {2: 266, 3: 266 + 407, 4: 532, 5: 532 + 407, 8: 798},
     ("decentralized", ()): {2: 4000, 3: 8000, 4: 8000, 5: 8000, 8: 8000},
     ("decentralized", (("peer_selection", "shift_one"),)): {2: 4000, 3: 4000, 4: 4000, 5: 4000, 8: 4000},
     ("decentralized", (("peer_selection", "all"),)): {2: 4000, 3: 5333, 4: 6000, 5: 6400, 8: 7000},
@@ -784,6 +788,7 @@ RELAXATION_CASES = [
     ("local_sgd", {"period": 2, "compression": "minmax_uint8"}, "sgd", 0, 2),
     ("gtopk", {"density": 0.25}, "sgd", 0, 1),                     # the bitmap index coding
     ("gtopk", {"density": 0.25, "value_bits": 4}, "sgd", 0, 1),     # and 4-bit values
+    ("gtopk", {"density": 0.25, "value_bits": 4, "final_union": True}, "sgd", 0, 1),  # a hand-back of 2k
     # a user's Python compressor: its buffers padded to 8 bytes (2327 + 4 -> 2336 for decentralized)
     ("gradient_allreduce", {"compression": "absmax4_test"}, "sgd", 0, 1),
     ("decentralized", {"compression": "absmax4_test"}, "sgd", 0, 2),

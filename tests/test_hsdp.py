@@ -279,6 +279,7 @@ def _r_anchors(net, relaxed):
     {"name": "gtopk", "density": 0.1, "momentum_correction": 0},
     {"name": "gtopk", "density": 0.1, "momentum_correction": 0, "layerwise": True},
     {"name": "gtopk", "density": 0.3, "momentum_correction": 0, "value_bits": 4},  # 3 replicas: fold, requantize
+    {"name": "gtopk", "density": 0.3, "momentum_correction": 0, "value_bits": 4, "final_union": True},  # 2k back
     {"name": "powersgd", "rank": 1, "min_compression_rate": 1.0},
 ])
 def test_gradient_codecs_keep_replicas_identical(c6, spec):

@@ -262,6 +262,7 @@ CENTRALIZED = {
     "gtopk": ("gtopk", {"density": 0.05, "warmup_densities": [0.5], "warmup_steps_per_stage": 2}),
     "gtopk_exact": ("gtopk", {"density": 0.05, "warmup_densities": [], "exact": True}),
     "gtopk_4bit": ("gtopk", {"density": 0.3, "warmup_densities": [], "value_bits": 4}),
+    "gtopk_4bit_union": ("gtopk", {"density": 0.3, "warmup_densities": [], "value_bits": 4, "final_union": True}),
     "randomk_test": ("randomk_test", {"density": 0.2}),
 }
 
@@ -319,6 +320,8 @@ def _r_error_feedback_mass(rank, P):
     if P <= 2:  # 4-bit values: each rank keeps what its levels left out; beyond 2 ranks a merged set is
         # quantized again before it is sent, and that error is no rank's
         cases["gtopk_4bit"] = ("gtopk", {"density": 0.3, "warmup_densities": [], "value_bits": 4})
+        cases["gtopk_4bit_union"] = ("gtopk", {"density": 0.3, "warmup_densities": [], "value_bits": 4,
+                                               "final_union": True})
     for label, (name, opts) in cases.items():
         net = _mlp()
         opt = _sgd(net, lr=lr, momentum=0.0)

@@ -50,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, c
 // result kept.
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact,
-                                                   int64_t numel = -1, int64_t value_bits = 0);
+                                                   int64_t numel = -1, int64_t value_bits = 0,
+                                                   bool final_union = false);
 
 // The partner of `rank` at `step` in the shift_one schedule (one partner that rotates with `step`; a
 // round-robin schedule, one rank idle per step when P is odd), or -1 if it sits this step out.

@@ -5,6 +5,9 @@
 //   fold:   rank r >= P' sends S to r - P', which merges it in
 //   for i in 0 .. log2(P')-1:  swap S with rank r XOR 2^i, S <- merge_topk(S, received, k)
 //   unfold: rank r < P - P' sends the final S back to r + P'
+// final_union: the last doubling round keeps the whole merged set (at most 2k entries) instead of its k
+// largest. Its messages are the round's inputs, so the bytes on the wire do not change (the unfold's
+// message, when P is not a power of two, is laid out for 2k entries); more of what the ranks sent is applied.
 //
 // Message, two index codings and two value codings, fixed by (k, numel, value_bits) so both sides agree:
 //   indices: k int32, padded with -1 when |S| < k; or, when numel is given and ceil(numel/8) < 4k, a bitmap
@@ -64,13 +67,14 @@ struct GTopK : Buffers<T> {
   using B = Buffers<T>;
   using B::sv, B::rv, B::mv, B::ov, B::si, B::ri, B::mi, B::oi, B::order, B::codes;
   GTopK(const ProcessGroupPtr& pg, int64_t k, at::Device dev, int64_t numel, int64_t value_bits)
-      : B(std::move(kept_buffers<T>())), pg(pg), k(k), dev(dev), numel(numel), value_bits(value_bits) {}
+      : B(std::move(kept_buffers<T>())), pg(pg), k(k), cap(k), dev(dev), numel(numel), value_bits(value_bits) {}
   ~GTopK() { kept_buffers<T>() = std::move(static_cast<B&>(*this)); }
   GTopK(const GTopK&) = delete;
   GTopK& operator=(const GTopK&) = delete;
 
   const ProcessGroupPtr& pg;
   const int64_t k;
+  int64_t cap;  // the most entries a message holds (its layout): k, or 2k for a final union handed back
   const at::Device dev;
   const int64_t numel;      // the dense length (-1: unknown; index list only)
   const int64_t value_bits;  // 0: the values' dtype; 4: 4-bit levels with a scale per block
@@ -79,17 +83,17 @@ struct GTopK : Buffers<T> {
 
   // The float32 scales in front of a 4-bit message's levels.
   static int64_t scale_bytes(int64_t k) { return 4 * ((k + kQ4Block - 1) / kQ4Block); }
-  bool bitmap() const { return numel >= 0 && (numel + 7) / 8 < 4 * k; }
-  int64_t index_bytes() const { return bitmap() ? (numel + 7) / 8 : 4 * k; }
+  bool bitmap() const { return numel >= 0 && (numel + 7) / 8 < 4 * cap; }
+  int64_t index_bytes() const { return bitmap() ? (numel + 7) / 8 : 4 * cap; }
   int64_t value_bytes() const {
-    return value_bits == 4 ? scale_bytes(k) + (k + 1) / 2 : k * static_cast<int64_t>(sizeof(T));
+    return value_bits == 4 ? scale_bytes(cap) + (cap + 1) / 2 : cap * static_cast<int64_t>(sizeof(T));
   }
   int64_t msg_bytes() const { return value_bytes() + index_bytes(); }
 
   // value_bits = 4: encode the current set into `codes` and replace its values by their decoding.
   void quantize() {
     codes.assign(value_bytes(), 0);
-    uint8_t* lv = codes.data() + scale_bytes(k);
+    uint8_t* lv = codes.data() + scale_bytes(cap);
     float f[kQ4Block];
     int8_t q[kQ4Block];
     for (int64_t lo = 0, b = 0; lo < count; lo += kQ4Block, ++b) {
@@ -137,7 +141,7 @@ struct GTopK : Buffers<T> {
       std::memcpy(p, codes.data(), codes.size());
     } else {
       std::memcpy(p, sv.data(), count * sizeof(T));
-      std::memset(p + count * sizeof(T), 0, (k - count) * sizeof(T));
+      std::memset(p + count * sizeof(T), 0, (cap - count) * sizeof(T));
     }
     uint8_t* ip = p + value_bytes();
     if (bitmap()) {
@@ -146,7 +150,7 @@ struct GTopK : Buffers<T> {
     } else {
       // memcpy, not int32 stores: after 4-bit values the index list need not be 4-byte aligned.
       std::memcpy(ip, si.data(), count * 4);
-      std::memset(ip + 4 * count, 0xFF, 4 * (k - count));  // -1 in every byte order
+      std::memset(ip + 4 * count, 0xFF, 4 * (cap - count));  // -1 in every byte order
     }
     if (!wire.device().is_cpu()) wire.copy_(host);
   }
@@ -155,8 +159,8 @@ struct GTopK : Buffers<T> {
     auto host = wire.device().is_cpu() ? wire : wire.cpu();
     const uint8_t* p = host.const_data_ptr<uint8_t>();
     const uint8_t* ip = p + value_bytes();
-    rv.resize(k);
-    ri.resize(k);
+    rv.resize(cap);
+    ri.resize(cap);
     int64_t n = 0;
     if (bitmap()) {
       const int64_t nb = index_bytes();
@@ -166,42 +170,43 @@ struct GTopK : Buffers<T> {
       for (; byte + 8 <= nb; byte += 8) {
         uint64_t w;
         std::memcpy(&w, ip + byte, 8);
-        BL_CHECK(n + __builtin_popcountll(w) <= k, "gtopk_allreduce: a peer's bitmap holds more than k = ", k,
-                 " indices");
+        BL_CHECK(n + __builtin_popcountll(w) <= cap, "gtopk_allreduce: a peer's bitmap holds more than the ", cap,
+                 " indices its message can carry");
         for (; w; w &= w - 1) ri[n++] = static_cast<int32_t>(8 * byte + __builtin_ctzll(w));
       }
 #endif
       for (; byte < nb; ++byte) {
         for (unsigned bits = ip[byte]; bits; bits &= bits - 1) {
-          BL_CHECK(n < k, "gtopk_allreduce: a peer's bitmap holds more than k = ", k, " indices");
+          BL_CHECK(n < cap, "gtopk_allreduce: a peer's bitmap holds more than the ", cap, " indices its message can carry");
           ri[n++] = static_cast<int32_t>(8 * byte + __builtin_ctz(bits));
         }
       }
     } else {
-      std::memcpy(ri.data(), ip, 4 * k);
-      while (n < k && ri[n] >= 0) ++n;
+      std::memcpy(ri.data(), ip, 4 * cap);
+      while (n < cap && ri[n] >= 0) ++n;
     }
     if (value_bits == 4) {
-      decode_values(p, n, k, rv.data());
+      decode_values(p, n, cap, rv.data());
     } else {
       std::memcpy(rv.data(), p, n * sizeof(T));
     }
     return n;
   }
 
-  // The set merged with a received message.
-  void merge(const at::Tensor& wire) {
+  // The set merged with a received message, of which the `keep` largest are kept (k; or every entry of
+  // the union in a final union round).
+  void merge(const at::Tensor& wire, int64_t keep) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
-    if (bitmap()) return merge_bitmap(wire);
+    if (bitmap()) return merge_bitmap(wire, keep);
 #endif
-    merge_received(unpack(wire));
+    merge_received(unpack(wire), keep);
   }
 
   // A bitmap message merges straight from the two bitmaps (this set's, built here, and the received one)
   // and the values in index order, without listing the received indices first. Where each entry's value
   // comes from follows from the bits, so no step waits on comparing two loaded indices. The same union
   // (sums at equal indices, own value + received value) and selection as merge_received.
-  void merge_bitmap(const at::Tensor& wire) {
+  void merge_bitmap(const at::Tensor& wire, int64_t keep) {
     auto host = wire.device().is_cpu() ? wire : wire.cpu();
     const uint8_t* p = host.const_data_ptr<uint8_t>();
     const int64_t nbytes = index_bytes(), words = (nbytes + 7) / 8;
@@ -211,13 +216,13 @@ struct GTopK : Buffers<T> {
     std::memcpy(rb.data(), p + value_bytes(), nbytes);  // little-endian: byte b lands in bits 8 (b % 8) of word b / 8
     int64_t n = 0;
     for (int64_t w = 0; w < words; ++w) n += __builtin_popcountll(rb[w]);
-    BL_CHECK(n <= k, "gtopk_allreduce: a peer's bitmap holds ", n, " indices, more than k = ", k);
+    BL_CHECK(n <= cap, "gtopk_allreduce: a peer's bitmap holds ", n, " indices, more than its message's ", cap);
     const int64_t tail = numel - 64 * (words - 1);  // valid bits of the last word
     BL_CHECK(words == 0 || tail >= 64 || (rb[words - 1] >> tail) == 0,
              "gtopk_allreduce: a peer's bitmap has bits set past numel = ", numel);
     rv.resize(n + 1);  // + the padding slot (below)
     if (value_bits == 4) {
-      decode_values(p, n, k, rv.data());
+      decode_values(p, n, cap, rv.data());
     } else {
       std::memcpy(rv.data(), p, n * sizeof(T));
     }
@@ -256,9 +261,9 @@ struct GTopK : Buffers<T> {
       }
     }
     sv.pop_back();
-    ov.resize(std::min<int64_t>(k, m));
+    ov.resize(std::min<int64_t>(keep, m));
     oi.resize(ov.size());
-    count = kernels::keep_topk_raw<T>(mv.data(), mi.data(), m, k, ov.data(), oi.data(), order);
+    count = kernels::keep_topk_raw<T>(mv.data(), mi.data(), m, keep, ov.data(), oi.data(), order);
     sv.swap(ov);
     si.swap(oi);
     sv.resize(count);
@@ -266,11 +271,12 @@ struct GTopK : Buffers<T> {
     encoded = false;
   }
 
-  void merge_received(int64_t n) {
+  void merge_received(int64_t n, int64_t keep) {
     // Merge into the spare buffers, then swap: the old set's storage becomes next round's spare.
-    ov.resize(std::min<int64_t>(k, count + n));
+    keep = std::min<int64_t>(keep, count + n);
+    ov.resize(keep);
     oi.resize(ov.size());
-    count = kernels::merge_topk_raw<T>(sv.data(), si.data(), count, rv.data(), ri.data(), n, k, ov.data(),
+    count = kernels::merge_topk_raw<T>(sv.data(), si.data(), count, rv.data(), ri.data(), n, keep, ov.data(),
                                        oi.data(), mv, mi, order);
     sv.swap(ov);
     si.swap(oi);
@@ -284,7 +290,7 @@ struct GTopK : Buffers<T> {
 
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact, int64_t numel,
-                                                   int64_t value_bits) {
+                                                   int64_t value_bits, bool final_union) {
   BL_CHECK(numel >= -1, "gtopk_allreduce: numel must be >= 0 (or -1: not given), got ", numel);
   kernels::check_sparse_args(values, indices, numel, "gtopk_allreduce");
   BL_CHECK(k >= 0, "gtopk_allreduce: k must be >= 0, got ", k);
@@ -348,7 +354,7 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
         pg_send(pg, send, me - core, tag);
       } else if (me + core < P) {
         pg_recv(pg, recv, me + core, tag);
-        g.merge(recv);
+        g.merge(recv, k);
       }
       ++tag;
       // Recursive doubling inside the core.
@@ -356,20 +362,28 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
         for (int64_t dist = 1; dist < core; dist *= 2, ++tag) {
           g.pack(send);
           pg_exchange(pg, send, recv, me ^ dist, tag);
-          g.merge(recv);
+          // final_union: the last round keeps the whole union of its two sets (at most 2k entries): the
+          // same bytes on the wire, more of what was sent applied
+          g.merge(recv, final_union && 2 * dist >= core ? 2 * k : k);
         }
         // Every core rank holds the same final set; a 4-bit one is quantized on all of them alike, so that
         // the extra ranks, which receive it quantized, end with the same bits.
+        if (final_union && P > core) g.cap = 2 * k;  // the hand-back carries up to 2k entries
         if (value_bits == 4 && P > core) g.quantize();
       }
       tag = 1 << 20;
       // Unfold: hand the result back.
       if (me >= core) {
+        if (final_union) {
+          g.cap = 2 * k;
+          recv = scratch_bytes(Slot::kRecv, g.msg_bytes(), dev);
+        }
         pg_recv(pg, recv, me - core, tag);
         g.count = g.unpack(recv);
         g.sv.assign(g.rv.begin(), g.rv.begin() + g.count);
         g.si.assign(g.ri.begin(), g.ri.begin() + g.count);
       } else if (me + core < P) {
+        if (final_union) send = scratch_bytes(Slot::kSend, g.msg_bytes(), dev);
         g.pack(send);
         pg_send(pg, send, me + core, tag);
       }
