@@ -366,24 +366,23 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
           // same bytes on the wire, more of what was sent applied
           g.merge(recv, final_union && 2 * dist >= core ? 2 * k : k);
         }
-        // Every core rank holds the same final set; a 4-bit one is quantized on all of them alike, so that
-        // the extra ranks, which receive it quantized, end with the same bits.
-        if (final_union && P > core) g.cap = 2 * k;  // the hand-back carries up to 2k entries
-        if (value_bits == 4 && P > core) g.quantize();
       }
+      // A final union's hand-back carries up to 2k entries: both of its ends lay it out so.
+      if (final_union && P > core) g.cap = 2 * k;
+      // Every core rank holds the same final set; a 4-bit one is quantized on all of them alike, so that
+      // the extra ranks, which receive it quantized, end with the same bits.
+      if (me < core && value_bits == 4 && P > core) g.quantize();
       tag = 1 << 20;
+      const int64_t back = g.msg_bytes();
       // Unfold: hand the result back.
       if (me >= core) {
-        if (final_union) {
-          g.cap = 2 * k;
-          recv = scratch_bytes(Slot::kRecv, g.msg_bytes(), dev);
-        }
+        if (back != msg) recv = scratch_bytes(Slot::kRecv, back, dev);
         pg_recv(pg, recv, me - core, tag);
         g.count = g.unpack(recv);
         g.sv.assign(g.rv.begin(), g.rv.begin() + g.count);
         g.si.assign(g.ri.begin(), g.ri.begin() + g.count);
       } else if (me + core < P) {
-        if (final_union) send = scratch_bytes(Slot::kSend, g.msg_bytes(), dev);
+        if (back != msg) send = scratch_bytes(Slot::kSend, back, dev);
         g.pack(send);
         pg_send(pg, send, me + core, tag);
       }
