@@ -170,12 +170,15 @@ def test_async_model_average(clusters, P):
 
 def _r_dead_peer(rank, P, victim):
     net, opt, model = _model("async_model_average", sync_interval_ms=20, warmup_steps=3)
-    for s in range(10):
-        _step(model, opt, rank, s)
-    if rank == victim:
-        os._exit(1)
-    t0, s = time.monotonic(), 10
+    t0 = time.monotonic()
     try:
+        # inside the try: the ranks run at their own pace, so the victim may die while a survivor is still in
+        # its first 10 steps, and the survivor's error may come from any of its steps
+        for s in range(10):
+            _step(model, opt, rank, s)
+        if rank == victim:
+            os._exit(1)
+        s = 10
         while time.monotonic() - t0 < 60:
             _step(model, opt, rank, s)
             s += 1
