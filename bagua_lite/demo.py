@@ -133,7 +133,11 @@ def main(argv=None):
         bagua_lite.load_config(p)  # validate all before starting any process
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(prefix="bagua_lite_demo_"), "pg")
+    with tempfile.TemporaryDirectory(prefix="bagua_lite_demo_") as init_dir:
+        _run_workers(ctx, out, os.path.join(init_dir, "pg"), paths, args)
+
+
+def _run_workers(ctx, out, init_file, paths, args):
     procs = [ctx.Process(target=_worker, args=(r, args.world_size, init_file, paths, args.epochs, out))
              for r in range(args.world_size)]
     for p in procs:

@@ -17,7 +17,6 @@ import copy
 import hashlib
 import os
 import signal
-import tempfile
 import time
 
 import pytest
@@ -157,10 +156,10 @@ def _run(P, fn, args, replace=(), deadline_s=90):
     return store, {name: p.exitcode for name, p in procs.items()}
 
 
-def _killed_run(prefix, P, algo, options, kills, replaced):
+def _killed_run(tmp_path, P, algo, options, kills, replaced):
     """P workers, each of ``kills`` SIGKILLed at its step (and replaced if ``replaced``); every other worker
     must end well. Returns (output dir, survivors, {survivor: its result})."""
-    out = tempfile.mkdtemp(prefix=prefix)
+    out = str(tmp_path)
     _, codes = _run(P, _worker, (out, algo, options, kills), replace=list(kills) if replaced else [])
     for r in kills:
         assert codes.pop(r) == -signal.SIGKILL, codes
@@ -192,8 +191,8 @@ CASES = [  # (algorithm, options, P, rank killed, step it is killed at)
 
 @pytest.mark.parametrize("algo,options,P,victim,kill_step", CASES,
                          ids=[f"{a}{'-' + '-'.join(map(str, o.values())) if o else ''}-P{P}" for a, o, P, _, _ in CASES])
-def test_a_replacement_joins_and_trains_bit_identical_to_a_fresh_run(algo, options, P, victim, kill_step):
-    out, survivors, res = _killed_run("bagua_lite_join_", P, algo, options, {victim: kill_step}, True)
+def test_a_replacement_joins_and_trains_bit_identical_to_a_fresh_run(tmp_path, algo, options, P, victim, kill_step):
+    out, survivors, res = _killed_run(tmp_path, P, algo, options, {victim: kill_step}, True)
     joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)  # ids go on from P
     start = joiner["joined_at"]
     assert kill_step < start < STEPS, (kill_step, start)  # admitted while the others trained
@@ -262,9 +261,9 @@ def _split(rank, P, port, out, algo, options, k, victim, behind):
 
 @pytest.mark.parametrize("algo,options", [("gradient_allreduce", {}), ("gradient_allreduce", {"compression": "sign"}),
                                           ("gtopk", {"density": 0.1})], ids=["dense", "sign", "gtopk"])
-def test_a_step_agreed_by_some_survivors_only_is_taken_late_by_the_others(algo, options):
+def test_a_step_agreed_by_some_survivors_only_is_taken_late_by_the_others(tmp_path, algo, options):
     P, k, victim, behind = 4, 4, 3, 1
-    out = tempfile.mkdtemp(prefix="bagua_lite_split_")
+    out = str(tmp_path)
     _, codes = _run(P, _split, (out, algo, options, k, victim, behind), replace=None)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, codes
     res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 2)}
@@ -316,8 +315,8 @@ def _late(rank, P, port, out, replacement):
         dist.TCPStore("127.0.0.1", port, is_master=False).set("killed/0", "ended")  # _run starts the "replacement" now: after the job ended
 
 
-def test_a_worker_joining_a_job_that_ended_raises_instead_of_waiting():
-    out = tempfile.mkdtemp(prefix="bagua_lite_late_")
+def test_a_worker_joining_a_job_that_ended_raises_instead_of_waiting(tmp_path):
+    out = str(tmp_path)
     _, codes = _run(2, _late, (out,), replace=[0], deadline_s=60)
     assert set(codes.values()) == {0}, codes
     msg = torch.load(os.path.join(out, "late.pt"), weights_only=False)
@@ -338,12 +337,12 @@ PERIODIC = [  # (algorithm, options, P, {rank: step it is killed at}, replaced)
 
 @pytest.mark.parametrize("algo,options,P,kills,replaced", PERIODIC,
                          ids=[f"{a}-P{P}-kill{len(k)}{'-join' if j else ''}" for a, _, P, k, j in PERIODIC])
-def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(algo, options, P, kills, replaced):
+def test_local_sgd_and_diloco_finish_the_round_without_the_lost_worker(tmp_path, algo, options, P, kills, replaced):
     """Local steps run no collective, so the survivors meet the loss in the next sync (after the optimizer's
     update of that step, which is kept) and finish that sync among themselves: nothing of any survivor's
     work is lost. A replacement is admitted at a later sync and takes the state from rank 0."""
     period = options["period"]
-    out, survivors, res = _killed_run("bagua_lite_periodic_", P, algo, options, kills, replaced)
+    out, survivors, res = _killed_run(tmp_path, P, algo, options, kills, replaced)
     warm = options.get("warmup_steps", 0)
     sync_steps = [i for i in range(STEPS) if i + 1 > warm and (i + 1 - warm) % period == 0]
     syncs = [min(i for i in sync_steps if i >= k) for k in sorted(kills.values())]  # the steps whose sync failed
@@ -408,7 +407,7 @@ DECENTRALIZED = [  # (algorithm, options, P, {rank: step it is killed at}, repla
 @pytest.mark.parametrize("algo,options,P,kills,replaced", DECENTRALIZED,
                          ids=[f"{a}-{o.get('peer_selection', 'default')}{'-' + o['compression'] if 'compression' in o else ''}"
                               f"-P{P}-kill{len(k)}{'-join' if j else ''}" for a, o, P, k, j in DECENTRALIZED])
-def test_decentralized_re_forms_its_ring_and_admits_a_replacement(algo, options, P, kills, replaced):
+def test_decentralized_re_forms_its_ring_and_admits_a_replacement(tmp_path, algo, options, P, kills, replaced):
     """Decentralized SGD has no collective of all ranks: a neighbour of the lost worker meets the loss in
     its exchange, the others at their next step's look at the store. The survivors keep their own weights
     (replicas differ by design), drop the exchange in flight where it had not completed, take the furthest
@@ -416,7 +415,7 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(algo, options,
     posts in the store and starts from rank 0's weights; the members keep theirs. After the last change the
     run is bit for bit a fresh run of its members from the state each had then."""
     steps = _steps(algo)
-    out, survivors, res = _killed_run("bagua_lite_decentralized_", P, algo, options, kills, replaced)
+    out, survivors, res = _killed_run(tmp_path, P, algo, options, kills, replaced)
     members, start, src, mine = _every_change_alike(out, res, survivors, P, kills, replaced, steps)
     if replaced:  # rank 0's optimizer state too
         for i, st in src["optimizer"]["state"].items():
@@ -448,13 +447,13 @@ def test_decentralized_re_forms_its_ring_and_admits_a_replacement(algo, options,
 @pytest.mark.parametrize("options,P,victim", [({"sync_interval_ms": 50}, 4, 1),
                                               ({"sync_interval_ms": 50, "compression": "minmax_uint8"}, 5, 0)],
                          ids=["dense-P4", "minmax_uint8-P5-rank0"])
-def test_async_model_average_admits_a_replacement_through_its_averaging_rounds(options, P, victim):
+def test_async_model_average_admits_a_replacement_through_its_averaging_rounds(tmp_path, options, P, victim):
     """Asynchronous averaging: the news of a waiting joiner rides in the background threads' go-on flag, so
     every member's thread ends in the same round and each member admits the joiner at its own next step
     boundary. The joiner starts from rank 0's optimizer state and step count; then members and joiner
     average their weights once: at the join every one of them holds the same weights, bit for bit."""
     algo, steps = "async_model_average", _steps("async_model_average")
-    out, survivors, res = _killed_run("bagua_lite_async_join_", P, algo, options, {victim: 8}, True)
+    out, survivors, res = _killed_run(tmp_path, P, algo, options, {victim: 8}, True)
     joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
     members = survivors + [P]
     for r, x in res.items():
@@ -530,12 +529,13 @@ def _train_and_save(model, net, opt, rank, steps, res, out, at_top=None, after_b
 
 @pytest.mark.parametrize("algo,options", [("diloco", {"period": 4, "compression": "minmax_uint8"}),
                                           ("local_sgd", {"period": 4, "compression": "sign"})])
-def test_a_compressed_sync_that_failed_on_every_survivor_is_sent_again_with_the_residuals_before_it(algo, options):
+def test_a_compressed_sync_that_failed_on_every_survivor_is_sent_again_with_the_residuals_before_it(
+        tmp_path, algo, options):
     """Compressing a change updates the residual before anything travels, so a sync whose exchange then
     fails everywhere has touched every survivor's error feedback. The survivors put it back and finish the
     sync among themselves: bit for bit a fresh run of the three from the state each had before the step."""
     P, k, victim = 4, 7, 3  # step 7 ends the second period
-    out = tempfile.mkdtemp(prefix="bagua_lite_compressed_sync_")
+    out = str(tmp_path)
     _, codes = _run(P, _dies_in_the_sync, (out, algo, options, k, victim), replace=None)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, codes
     res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 2)}
@@ -558,7 +558,7 @@ STREAMING = [  # (options, P, {rank: step it is killed at}, replaced)
                          ids=[f"H{o['period']}-tau{o['overlap']}-F{o.get('fragments', 1)}-P{P}-kill{len(k)}"
                               f"{'-' + o['compression'] if 'compression' in o else ''}{'-join' if j else ''}"
                               for o, P, k, j in STREAMING])
-def test_streaming_diloco_drops_the_syncs_in_flight_and_admits_through_the_store(options, P, kills, replaced):
+def test_streaming_diloco_drops_the_syncs_in_flight_and_admits_through_the_store(tmp_path, options, P, kills, replaced):
     """Streaming DiLoCo syncs on a background thread and merges each sync ``overlap`` steps later, so the
     survivors meet a loss at a merge (or in the store before a step) at different step counts. A fragment
     whose sync some survivor merged is taken from it by the others (anchors, outer optimizer state, merged
@@ -568,7 +568,7 @@ def test_streaming_diloco_drops_the_syncs_in_flight_and_admits_through_the_store
     it gets them with rank 0's state. After the last change the run is bit for bit a fresh run of its
     members from the state each had then."""
     algo, steps = "diloco", _steps("diloco", options)
-    out, survivors, res = _killed_run("bagua_lite_streaming_", P, algo, options, kills, replaced)
+    out, survivors, res = _killed_run(tmp_path, P, algo, options, kills, replaced)
     members, start, src, mine = _every_change_alike(out, res, survivors, P, kills, replaced, steps)
     if replaced:
         for f, (a, b) in enumerate(zip(src["algorithm"]["fragments"], mine["algorithm"]["fragments"])):
@@ -611,10 +611,10 @@ def _behind_at_a_merge(rank, P, port, out, options, victim, behind):
     _train_and_save(model, net, opt, rank, _steps("diloco", options), res, out, at_top)
 
 
-def test_streaming_diloco_survivors_behind_by_a_merge_take_it_from_one_that_made_it():
+def test_streaming_diloco_survivors_behind_by_a_merge_take_it_from_one_that_made_it(tmp_path):
     options = {"period": 4, "overlap": 1}
     P, victim, behind = 4, 3, 1
-    out = tempfile.mkdtemp(prefix="bagua_lite_merge_")
+    out = str(tmp_path)
     _, codes = _run(P, _behind_at_a_merge, (out, options, victim, behind), replace=None)
     assert codes == {0: 0, 1: 0, 2: 0, 3: -signal.SIGKILL}, codes
     res = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 1, 2)}
@@ -641,11 +641,11 @@ AUTO = {"probe_steps": 0, "compute_s": 0.01, "network": {"alpha": 1e-4, "beta": 
         "efficiency": {"gtopk(density=0.1)": 1.0}}
 
 
-def test_auto_carries_on_with_its_pick_and_a_joiner_takes_the_pick_from_rank_0():
+def test_auto_carries_on_with_its_pick_and_a_joiner_takes_the_pick_from_rank_0(tmp_path):
     """auto hands the model its pick, which then heals as it does on its own; a joiner's auto does not
     probe: it takes rank 0's pick (and decision) and is set up with it where the members regroup."""
     P = 4
-    out, survivors, res = _killed_run("bagua_lite_auto_", P, "auto", AUTO, {1: 4}, True)
+    out, survivors, res = _killed_run(tmp_path, P, "auto", AUTO, {1: 4}, True)
     joiner = torch.load(os.path.join(out, f"result_{P}.pt"), weights_only=False)
     members = survivors + [P]
     start = joiner["joined_at"]

@@ -13,7 +13,6 @@ import datetime
 import hashlib
 import os
 import signal
-import tempfile
 import time
 
 import pytest
@@ -177,8 +176,8 @@ CASES = [  # (algorithm, options, P, {global rank: step it is killed at}, BatchN
 @pytest.mark.parametrize("algo,options,P,kills,batchnorm", CASES,
                          ids=[f"{a}{'-' + '-'.join(map(str, o.values())) if o else ''}-P{P}-kill{len(k)}"
                               f"{'-batchnorm' if bn else ''}" for a, o, P, k, bn in CASES])
-def test_survivors_carry_on_bit_identical_to_a_run_without_the_dead(algo, options, P, kills, batchnorm):
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+def test_survivors_carry_on_bit_identical_to_a_run_without_the_dead(tmp_path, algo, options, P, kills, batchnorm):
+    out = str(tmp_path)
     store, codes = _launch(P, _train, out, algo, options, kills, 1, 2.0, batchnorm)
     dead = sorted(kills)
     survivors = [r for r in range(P) if r not in kills]
@@ -223,12 +222,12 @@ ASYNC = [({"sync_interval_ms": 50}, 5, {3: 4}), ({"sync_interval_ms": 50, "compr
 
 @pytest.mark.parametrize("options,P,kills", ASYNC, ids=[f"P{P}-kill{len(k)}-{o.get('compression', 'dense')}"
                                                         for o, P, k in ASYNC])
-def test_async_model_average_survivors_average_once_and_carry_on(options, P, kills):
+def test_async_model_average_survivors_average_once_and_carry_on(tmp_path, options, P, kills):
     """Asynchronous averaging has no step boundary the ranks share: each survivor learns of the loss before
     one of its forwards (its averaging thread failed, a peer said so in the store), discards that step, and
     the survivors average their weights once on the new group: bit-identical there, whatever each had
     trained meanwhile, and with compression their anchors are that average too. Then each goes on alone."""
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    out = str(tmp_path)
     store, codes = _launch(P, _train, out, "async_model_average", options, kills, 1, 2.0)
     survivors = [r for r in range(P) if r not in kills]
     assert [codes[r] for r in survivors] == [0] * len(survivors) and \
@@ -253,11 +252,11 @@ def test_async_model_average_survivors_average_once_and_carry_on(options, P, kil
 
 @pytest.mark.parametrize("algo,options", [("gtopk", {"density": 0.1}), ("decentralized", {}),
                                           ("async_model_average", {"sync_interval_ms": 50})])
-def test_a_stopped_worker_is_left_out_when_its_heartbeat_stops(algo, options):
+def test_a_stopped_worker_is_left_out_when_its_heartbeat_stops(tmp_path, algo, options):
     """SIGSTOP: the worker is not dead and its connections stay open, so gloo would raise on its peers only
     at the group's timeout, torch's default 30 minutes here. Its heartbeat stops instead: after
     heartbeat_timeout_s (3 s) of waiting for it the survivors leave it out and carry on."""
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    out = str(tmp_path)
     store, codes = _launch(4, _train, out, algo, options, {2: 4}, 1, 2.0, False, signal.SIGSTOP, 1800, 3.0,
                            stopped=(2,))
     assert codes == [0, 0, -signal.SIGKILL, 0], codes
@@ -289,13 +288,13 @@ def _dies_while_re_forming(rank, P, port, out):
     _train(rank, P, port, out, "gradient_allreduce", {}, {2: 3}, 1, 2.0, False, signal.SIGKILL, 1800, 3.0)
 
 
-def test_a_member_lost_while_the_survivors_re_form_is_left_out_by_the_next_generation():
+def test_a_member_lost_while_the_survivors_re_form_is_left_out_by_the_next_generation(tmp_path):
     """A second loss in the second or so the survivors spend connecting their new group: the dead member
     never joins gloo's rendezvous, which would hold the others for the group's timeout (30 minutes here).
     They watch its heartbeat while they connect, give that generation up and form the next one without it:
     one step discarded for both losses, and the two left go on bit-identical, bit for bit a run of the two
     from the state at the failure step."""
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    out = str(tmp_path)
     _, codes = _launch(4, _dies_while_re_forming, out)
     assert codes == [0, -signal.SIGKILL, -signal.SIGKILL, 0], codes
     results = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 3)}
@@ -313,8 +312,8 @@ def test_a_member_lost_while_the_survivors_re_form_is_left_out_by_the_next_gener
         assert torch.equal(results[r]["weights"], ref), r
 
 
-def test_fewer_than_min_workers_raises_on_every_survivor():
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+def test_fewer_than_min_workers_raises_on_every_survivor(tmp_path):
+    out = str(tmp_path)
     store, codes = _launch(4, _train, out, "gradient_allreduce", {}, {1: 3}, 4, 2.0)
     assert codes == [0, -signal.SIGKILL, 0, 0], codes
     killed_at = float(store.get("killed_at/3"))
@@ -357,10 +356,10 @@ def _bug(rank, P, port, out):
     torch.save(error, os.path.join(out, f"bug_{rank}.pt"))
 
 
-def test_a_failure_with_every_worker_alive_raises_on_every_rank():
+def test_a_failure_with_every_worker_alive_raises_on_every_rank(tmp_path):
     """Not a lost worker (every member registers again at once): no membership change, no endless
     discarding: every rank raises, naming the op's error."""
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    out = str(tmp_path)
     _, codes = _launch(4, _bug, out)
     assert codes == [0] * 4, codes
     for r in range(4):
@@ -402,8 +401,8 @@ def _refusals(rank, P, port, out):
     torch.save(errors, os.path.join(out, "refusals.pt"))
 
 
-def test_an_algorithm_that_does_not_opt_in_is_refused_with_fault_tolerant():
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+def test_an_algorithm_that_does_not_opt_in_is_refused_with_fault_tolerant(tmp_path):
+    out = str(tmp_path)
     _, codes = _launch(1, _refusals, out)
     assert codes == [0]
     errors = torch.load(os.path.join(out, "refusals.pt"), weights_only=False)
@@ -413,14 +412,14 @@ def test_an_algorithm_that_does_not_opt_in_is_refused_with_fault_tolerant():
         assert "supports_membership_change" in msg and "every built-in one does" in msg and name in msg, msg
 
 
-def test_a_worker_lost_during_autos_probe_ends_the_run_with_a_clear_error():
+def test_a_worker_lost_during_autos_probe_ends_the_run_with_a_clear_error(tmp_path):
     """auto's probe steps measure the job before it picks: a loss there is not healed (nothing is picked to
     heal it); every survivor raises MembershipError naming the probe, instead of a stray error or a hang."""
     options = {"probe_steps": 6, "network": {"alpha": 1e-4, "beta": 1e-6},
                "machine": {"topk_s_per_elem": 0.0, "quantize_s_per_elem": 0.0, "fp16_s_per_elem": 0.0,
                            "add_s_per_elem": 0.0},
                "candidates": ["gradient_allreduce", {"name": "gtopk", "options": {"density": 0.1}}]}
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    out = str(tmp_path)
     _, codes = _launch(4, _train, out, "auto", options, {2: 2}, 1, 2.0)
     assert codes == [0, 0, -signal.SIGKILL, 0], codes
     for r in (0, 1, 3):
@@ -429,13 +428,13 @@ def test_a_worker_lost_during_autos_probe_ends_the_run_with_a_clear_error():
         assert "lost during its probe" in res["error"][0] and "restart" in res["error"][0], res["error"][0]
 
 
-def test_hierarchical_allreduce_finds_its_nodes_again():
+def test_hierarchical_allreduce_finds_its_nodes_again(tmp_path):
     """Hierarchical allreduce on two "nodes" of two ranks (ranks_per_node 2): rank 1 dies, so node 0 keeps one
     rank and the survivors' ranks are 0, 1, 2 for member ids 0, 2, 3. The nodes are found by member id, not
     counted by rank: [[0], [1, 2]] (a fresh run at P = 3 would count [[0, 1], [2]]). The survivors go on
     bit-identical; their final weights equal the fresh run's up to the order of the sums."""
     options = {"hierarchical": True, "ranks_per_node": 2}
-    out = tempfile.mkdtemp(prefix="bagua_lite_elastic_")
+    out = str(tmp_path)
     _, codes = _launch(4, _train, out, "gradient_allreduce", options, {1: 4}, 1, 2.0)
     assert codes == [0, -signal.SIGKILL, 0, 0], codes
     results = {r: torch.load(os.path.join(out, f"result_{r}.pt"), weights_only=False) for r in (0, 2, 3)}
