@@ -13,6 +13,7 @@ ALGORITHMS = {
     "gtopk": ("gtopk", {"density": 0.1}),
     "gtopk_no_correction": ("gtopk", {"density": 0.1, "momentum_correction": 0}),
     "gtopk_4bit": ("gtopk", {"density": 0.3, "value_bits": 4}),
+    "gtopk_4bit_union": ("gtopk", {"density": 0.3, "value_bits": 4, "final_union": True}),
     "powersgd": ("powersgd", {"rank": 2}),
     "qadam": ("qadam", {"warmup_steps": 2}),
     "decentralized": ("decentralized", {}),
@@ -29,10 +30,10 @@ ALGORITHMS = {
 }
 #: replicas bit for bit equal after every step
 CENTRALIZED = {"dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "gtopk_no_correction", "gtopk_4bit",
-               "powersgd", "qadam"}
+               "gtopk_4bit_union", "powersgd", "qadam"}
 #: a rounding of the gradient can flip an entry's update (a sign, a top-k selection, Adam's normalised step)
-DISCONTINUOUS = {"sign", "topk", "gtopk", "gtopk_no_correction", "gtopk_4bit", "qadam", "low_precision_decentralized",
-                 "streaming_diloco"}
+DISCONTINUOUS = {"sign", "topk", "gtopk", "gtopk_no_correction", "gtopk_4bit", "gtopk_4bit_union", "qadam",
+                 "low_precision_decentralized", "streaming_diloco"}
 
 
 def pick(*keys):

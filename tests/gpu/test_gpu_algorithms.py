@@ -17,9 +17,9 @@ import torch
 from algo_matrix import CENTRALIZED, DISCONTINUOUS, pick, train
 from gpu_device import DEVICE, join_group, spawn_ranks
 
-ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "gtopk_4bit", "powersgd", "qadam",
-                  "decentralized", "decentralized_all", "low_precision_decentralized", "local_sgd", "diloco",
-                  "streaming_diloco", "async_model_average", "auto")
+ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "hierarchical", "topk", "gtopk", "gtopk_4bit", "gtopk_4bit_union",
+                  "powersgd", "qadam", "decentralized", "decentralized_all", "low_precision_decentralized", "local_sgd",
+                  "diloco", "streaming_diloco", "async_model_average", "auto")
 TIMED = {"async_model_average"}  # its rounds follow the clock: neither repeatable nor comparable, only finite
 SMOOTH, DISCONTINUOUS_TOL = 1e-3, 5e-2
 STEPS = 10
