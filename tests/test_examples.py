@@ -96,3 +96,17 @@ def test_elastic_restart_resumes_bit_identically(tmp_path):
     assert "attempt 1: done, 30 steps" in log, log[-3000:]
     diff = max(float((a - b).abs().max()) for a, b in zip(clean, killed))
     assert all(torch.equal(a, b) for a, b in zip(clean, killed)), f"final weights differ by up to {diff}"
+
+
+def test_the_demo_prints_its_table_and_leaves_no_rendezvous_directory(tmp_path):
+    """``scripts/run_demo.sh``'s module (``python -m bagua_lite.demo``), at P = 2 on one config for one
+    epoch, from outside the repository: a table row for the config, exit 0, and none of its temporary
+    directories left (TMPDIR points tempfile at tmp_path; torch may keep a cache of its own there)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TMPDIR=str(tmp_path))
+    config = os.path.join(ROOT, "configs", "gradient_allreduce.yaml")
+    cmd = [sys.executable, "-m", "bagua_lite.demo", "--configs", config, "--world-size", "2", "--epochs", "1"]
+    proc = subprocess.run(cmd, cwd="/", env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert re.search(r"^gradient_allreduce\.yaml\s+GradientAllReduce\(", proc.stdout, re.M), proc.stdout
+    left = [n for n in os.listdir(tmp_path) if n.startswith("bagua_lite_")]
+    assert left == [], left
