@@ -7,8 +7,9 @@ anything is applied.
 The step count rides in a message the caller sends anyway, never in a collective of its own on the hot
 path; there are two encodings and one comparison (:func:`span`, :func:`check`):
 
-- per rank (:func:`steps_span`): the model's agreement after the buckets, an all_gather of a few ints per
-  rank that also carries the non-finite and unused-parameter bits (the error lists every rank's count);
+- per rank (:func:`steps_span`): the model's agreement of each round, an all_gather of a few ints per rank
+  that also carries the non-finite and unused-parameter bits (the error lists every rank's count), posted
+  with the last bucket where its row is known by then, else after the buckets;
   ``DistributedModel.check_in_step`` is the same all_gather on its own, for a periodic average;
 - ``(step, -step)`` (:func:`encode`): the elementwise max over ranks is (highest, -lowest), so one MAX
   allreduce (:func:`post_max`: streaming DiLoCo's sync, gossip under ``all``) gives the range. Gossip's
@@ -17,6 +18,7 @@ path; there are two encodings and one comparison (:func:`span`, :func:`check`):
 """
 import hashlib
 import json
+import threading
 from typing import Callable, Iterable, Sequence, Tuple
 
 import torch
@@ -76,6 +78,8 @@ class RoundAgreement:
 
     #: the buckets' non-finite flags where the checks stay on the device (bucket.defer_nonfinite_checks)
     _nonfinite_flags = None
+    #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work, rows, row length]
+    _posted = None
 
     def _check_same_config(self):
         """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
@@ -159,17 +163,64 @@ class RoundAgreement:
                 f"optimizer.step() the same number of times (a rank took an extra step or skipped one); {what} "
                 f"in this round")
 
-    def _agree_after_round(self, unused):
-        """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the
-        round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
-        DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
+    def _round_values(self, unused):
+        """This rank's row of the agreement: first non-finite bucket (-1: none), step count, used-bit words."""
         bad = self.algorithm.nonfinite_buckets
         if self._nonfinite_flags is not None:  # the checks left on the device: one read per round
             bad.update(i for i, v in enumerate(self._nonfinite_flags.tolist()) if v)
         words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // BITS] &= ~(1 << (i % BITS))
-        rows = self._gather_with_joiners([min(bad) if bad else -1, self.algorithm.step] + words)
+        return [min(bad) if bad else -1, self.algorithm.step] + words
+
+    def _agreement_op(self, unused):
+        """The round's agreement as the first op of the last bucket, posted without waiting, so its all_gather
+        travels with that bucket's collectives instead of after them (on a latency-bound step it was a round
+        trip of its own). By the time the last bucket is submitted every gradient went through its fill
+        check and the unused parameters are known (``unused``; a last bucket completed by the hooks had all
+        its parameters used, and so had every earlier bucket). In the engine's one order it pairs with the
+        same collective on every rank. None where this rank's row is not known then (the non-finite checks
+        left on the device) or the agreement carries more (fault tolerance: the joiners, run_collective);
+        :meth:`_agree_after_round` then gathers after the buckets, else it waits for this one."""
+        self._posted = None
+        if self.world_size == 1 or self._elastic is not None or self._nonfinite_flags is not None:
+            return None
+        values = self._round_values(unused)
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(self.world_size * len(values), dtype=torch.int64)
+        pg = _control.of(self.process_group)
+        posted = self._posted = [None, out, len(values)]
+
+        def step_agreement(_flat):
+            posted[0] = _compat.all_gather_single(out, mine, group=pg, async_op=True)
+        return step_agreement
+
+    def _take_posted(self):
+        """The rows of the agreement :meth:`_agreement_op` posted (after the engine's wait), or None."""
+        posted, self._posted = self._posted, None
+        if posted is None:
+            return None
+        work, out, n = posted
+        try:
+            if not work.is_completed():  # wait failing fast: a peer that failed after its buckets never posts it
+                done = threading.Event()
+                work.get_future().add_done_callback(lambda _f: done.set())
+                self._failfast.wait_event(done)
+            work.wait()
+        except PeerFailedError:
+            raise
+        except RuntimeError as e:
+            self._failfast.announce(f"a step-control all_gather failed: {e}")
+            raise
+        return out.view(self.world_size, n).tolist()
+
+    def _agree_after_round(self, unused):
+        """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the
+        round on every rank), and which parameters did no rank use (their ``.grad`` becomes None, as with
+        DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
+        rows = self._take_posted()
+        if rows is None:
+            rows = self._gather_with_joiners(self._round_values(unused))
         firsts = [row[0] for row in rows]
         msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
         if msg:

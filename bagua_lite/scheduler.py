@@ -25,6 +25,8 @@ from ._failfast import PeerFailedError
 class Scheduler:
     """DistributedModel's part that runs the buckets during backward (a mixin: it shares the model's state)."""
 
+    _round_unused = ()  # this round's parameters that got no gradient, once backward ended
+
     @_compat.compiler_disable
     def _post_forward(self, out):
         if torch.is_grad_enabled() and self._sync_enabled:
@@ -100,6 +102,7 @@ class Scheduler:
                 # backward. Otherwise the step count rides in the agreement after the buckets.
                 self._engine.submit(-1, self._no_tensor, [self._step_count_check])
             self._backward_active = True
+            self._round_unused = []  # until the end of backward finds some (_finish_backward)
             self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
@@ -131,7 +134,11 @@ class Scheduler:
         while self._next_bucket < len(self.buckets) and \
                 self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
             b = self.buckets[self._next_bucket]
-            self._engine.submit(b.index, b.flat, self._scaled(b.ops))
+            ops = self._scaled(b.ops)
+            if b.index == len(self.buckets) - 1:
+                post = self._agreement_op(self._round_unused)
+                ops = ops if post is None else [post] + list(ops)
+            self._engine.submit(b.index, b.flat, ops)
             self._next_bucket += 1
 
     def _finish_backward(self):
@@ -145,6 +152,7 @@ class Scheduler:
                     self._hand_over(b, j, p)  # p.grad is None, or what no_sync steps accumulated
                     self._marked[b.index][j] = True
             self._ready[b.index] = len(b.params)
+        self._round_unused = unused
         self._submit_ready()
         t0 = time.perf_counter()
         lost = None

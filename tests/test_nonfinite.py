@@ -399,3 +399,67 @@ def test_loss_scaler_under_momentum_correction_is_refused(clusters, name):
     for r, (msg, same) in enumerate(clusters.get(3).run(_r_scaler_refused, name, timeout=60)):
         assert msg and "GradScaler" in msg and "momentum_correction: 0" in msg, (r, msg)
         assert same, f"rank {r}: weights changed by a refused step"
+
+
+RIDES = ("gradient_allreduce", "fp16", "sign_error_feedback", "topk", "gtopk", "powersgd", "qadam")
+
+
+def _r_agreement_path(rank, P, deferred):
+    """Six steps of each algorithm, counting the agreements gathered after the buckets (``_gather_ints``) and
+    those posted with the last bucket (``_agreement_op``); ``deferred``: the checks left on the device
+    (BAGUA_LITE_DEFER_CHECKS=1), where this rank's row is known only after the buckets."""
+    from bagua_lite import agreement
+    counts = {"gathered": 0, "posted": 0}
+    gather, post = agreement.RoundAgreement._gather_ints, agreement.RoundAgreement._agreement_op
+
+    def counted_gather(self, *a, **k):
+        counts["gathered"] += 1
+        return gather(self, *a, **k)
+
+    def counted_post(self, unused):
+        op = post(self, unused)
+        counts["posted"] += op is not None
+        return op
+    agreement.RoundAgreement._gather_ints, agreement.RoundAgreement._agreement_op = counted_gather, counted_post
+    if deferred:
+        os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        out = {}
+        for label in RIDES:
+            name, options, kind = CASES[label]
+            counts.update(gathered=0, posted=0)
+            net = _net()
+            opt = _optimizer(kind, net)
+            model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+            counts.update(gathered=0)  # set-up's own checks are not a round's
+            for s in range(6):
+                x, y = _batch(rank, s)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            # a step-dependent wire (gtopk's warm-up) also checks the step count ahead of bucket 0, every round
+            checks = 6 if model.algorithm.step_dependent_wire else 0
+            out[label] = (dict(counts, gathered=counts["gathered"] - checks), len(model.buckets), _weights(net))
+            model.close()
+        return out
+    finally:
+        agreement.RoundAgreement._gather_ints, agreement.RoundAgreement._agreement_op = gather, post
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+def test_the_agreement_travels_with_the_last_bucket(clusters, P):
+    """Where the hooks' checks answer at once (CPU), every round's agreement is posted as the last bucket's
+    first op, overlapping that bucket's collectives, and no agreement is gathered after the buckets; with the
+    checks left on the device it is gathered after them. Both give the same weights, bit for bit, on
+    every rank (what the agreement decides does not depend on where it travels)."""
+    cluster = clusters.get(P)
+    riding, after = cluster.run(_r_agreement_path, False, timeout=240), cluster.run(_r_agreement_path, True)
+    for label in RIDES:
+        for r in range(P):
+            (counts, buckets, w), (counts_after, _, w_after) = riding[r][label], after[r][label]
+            assert buckets >= 2, (label, buckets)
+            assert counts == {"gathered": 0, "posted": 6}, (label, r, counts)
+            assert counts_after == {"gathered": 6, "posted": 0}, (label, r, counts_after)
+            assert torch.equal(w, w_after), f"{label}: rank {r}'s weights depend on where the agreement travels"
+            assert torch.equal(w, riding[0][label][2]), f"{label}: replicas differ"
