@@ -330,8 +330,10 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) to every rank
         before each training forward, one coalesced broadcast per dtype. Asynchronous algorithms skip it
         (it would make every rank wait for rank 0 each step); their averaging carries parameters only."""
+        if self.world_size == 1:  # nothing to send: not even the walk over every submodule
+            return
         buffers = [b for b in self.module.buffers() if b.numel()]
-        if self.world_size == 1 or not buffers:
+        if not buffers:
             return
         with torch.no_grad():
             for group in plan_buckets(buffers, 1 << 62):  # one flat tensor per dtype and device
