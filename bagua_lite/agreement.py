@@ -78,7 +78,7 @@ class RoundAgreement:
 
     #: the buckets' non-finite flags where the checks stay on the device (bucket.defer_nonfinite_checks)
     _nonfinite_flags = None
-    #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work, rows, row length]
+    #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work, rows]
     _posted = None
 
     def _check_same_config(self):
@@ -189,7 +189,7 @@ class RoundAgreement:
         mine = torch.tensor(values, dtype=torch.int64)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
         pg = _control.of(self.process_group)
-        posted = self._posted = [None, out, len(values)]
+        posted = self._posted = [None, out]
 
         def step_agreement(_flat):
             posted[0] = _compat.all_gather_single(out, mine, group=pg, async_op=True)
@@ -200,7 +200,7 @@ class RoundAgreement:
         posted, self._posted = self._posted, None
         if posted is None:
             return None
-        work, out, n = posted
+        work, out = posted
         try:
             if not work.is_completed():  # wait failing fast: a peer that failed after its buckets never posts it
                 done = threading.Event()
@@ -212,7 +212,7 @@ class RoundAgreement:
         except RuntimeError as e:
             self._failfast.announce(f"a step-control all_gather failed: {e}")
             raise
-        return out.view(self.world_size, n).tolist()
+        return out.view(self.world_size, -1).tolist()
 
     def _agree_after_round(self, unused):
         """After the buckets, one all_gather: did any rank's gradient hold inf/NaN (commit or discard the

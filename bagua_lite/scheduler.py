@@ -25,8 +25,6 @@ from ._failfast import PeerFailedError
 class Scheduler:
     """DistributedModel's part that runs the buckets during backward (a mixin: it shares the model's state)."""
 
-    _round_unused = ()  # this round's parameters that got no gradient, once backward ended
-
     @_compat.compiler_disable
     def _post_forward(self, out):
         if torch.is_grad_enabled() and self._sync_enabled:
@@ -102,7 +100,6 @@ class Scheduler:
                 # backward. Otherwise the step count rides in the agreement after the buckets.
                 self._engine.submit(-1, self._no_tensor, [self._step_count_check])
             self._backward_active = True
-            self._round_unused = []  # until the end of backward finds some (_finish_backward)
             self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
@@ -130,13 +127,15 @@ class Scheduler:
         scale = self._round_scales[0]
         return list(ops) + [lambda flat: flat.mul_(scale)]
 
-    def _submit_ready(self):
+    def _submit_ready(self, unused=()):
+        """Submit the buckets that are complete, in order. ``unused``: the parameters no gradient reached,
+        known at the end of backward (a last bucket completed by the hooks had all its parameters used)."""
         while self._next_bucket < len(self.buckets) and \
                 self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
             b = self.buckets[self._next_bucket]
             ops = self._scaled(b.ops)
             if b.index == len(self.buckets) - 1:
-                post = self._agreement_op(self._round_unused)
+                post = self._agreement_op(unused)
                 ops = ops if post is None else [post] + list(ops)
             self._engine.submit(b.index, b.flat, ops)
             self._next_bucket += 1
@@ -152,8 +151,7 @@ class Scheduler:
                     self._hand_over(b, j, p)  # p.grad is None, or what no_sync steps accumulated
                     self._marked[b.index][j] = True
             self._ready[b.index] = len(b.params)
-        self._round_unused = unused
-        self._submit_ready()
+        self._submit_ready(unused)
         t0 = time.perf_counter()
         lost = None
         try:
