@@ -77,7 +77,8 @@ class GTopK(ErrorFeedbackSparsifier):
         # value_bits=4 overwrites values with what of this rank's contribution the result kept (decoded levels).
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact,
                                                    numel=flat.numel(), value_bits=self.value_bits,
-                                                   final_union=self.final_union)
+                                                   final_union=self.final_union,
+                                                   out=self.result_out(bucket, 2 * k if self.final_union else k))
         # Error feedback forgets what this rank sent and the global set kept (exact or not).
         if self.value_bits is None:
             kernels.ef_remove_(acc, indices, kept=g_indices)

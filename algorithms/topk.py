@@ -26,8 +26,9 @@ class TopK(ErrorFeedbackSparsifier):
         # step wrote, not memset whole
         # k is the same on every rank (the density schedule's, checked by the step count when it changes):
         # no size exchange, one message round per bucket
+        k = values.numel()
         g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=self.process_group,
-                                                    k=values.numel())
+                                                    k=k, out=self.result_out(bucket, self.world_size * k))
         self.clear_result(flat, bucket.index)
         kernels.scatter_add_(flat, g_values, g_indices)
         return g_indices

@@ -25,10 +25,10 @@ Example::
     vals, idx = bagua_lite.kernels.topk(g, 10)
     vals, idx = bagua_lite.comm.gtopk_allreduce(vals, idx, k=10)   # same set on every rank
 """
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
-
 import torch.distributed as dist
 
 from . import _C, compressors
@@ -174,14 +174,14 @@ def _compressed_allreduce_py(pg, t, comp, average, residual):
     chunk = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(P)]
     wire = [comp.wire_bytes(length) for _, length in chunk]
     send_splits = [_aligned(w) for w in wire]  # every wire buffer starts at an 8-byte boundary
-    send = torch.empty(sum(send_splits), dtype=torch.uint8, device=t.device)
+    send = _scratch_bytes("send", sum(send_splits), t.device)
     off = 0
     for (start, length), size, split in zip(chunk, wire, send_splits):
         encode_residual = res.narrow(0, start, length) if res is not None else None
         compressors.encode(comp, flat.narrow(0, start, length), send.narrow(0, off, size), encode_residual)
         off += split
     piece = send_splits[me]
-    recv = torch.empty(piece * P, dtype=torch.uint8, device=t.device)
+    recv = _scratch_bytes("recv", piece * P, t.device)
     dist.all_to_all_single(recv, send, [piece] * P, send_splits, group=pg)
     mine = flat.narrow(0, *chunk[me])
     for r in range(P):
@@ -189,13 +189,29 @@ def _compressed_allreduce_py(pg, t, comp, average, residual):
     if average:
         mine.div_(P)
     slot = send_splits[0]
-    own = torch.zeros(slot, dtype=torch.uint8, device=t.device)
+    own = _scratch_bytes("own", slot, t.device)
+    own[wire[me]:].zero_()  # the padding travels too: zeros, as every time
     comp.compress(mine, own.narrow(0, 0, wire[me]))
-    gathered = [torch.empty_like(own) for _ in range(P)]
-    dist.all_gather(gathered, own, group=pg)
+    gathered = _scratch_bytes("gathered", slot * P, t.device)
+    dist.all_gather_into_tensor(gathered, own, group=pg)
     for r, (start, length) in enumerate(chunk):
-        comp.decompress(gathered[r].narrow(0, 0, wire[r]), flat.narrow(0, start, length), accumulate=False)
+        comp.decompress(gathered.narrow(0, r * slot, wire[r]), flat.narrow(0, start, length), accumulate=False)
     _C.count_sent(sum(send_splits) - piece + (P - 1) * slot, 2 * (P - 1))
+
+
+_scratch = threading.local()
+
+
+def _scratch_bytes(slot: str, nbytes: int, device) -> torch.Tensor:
+    """A grow-only byte buffer per (thread, slot, device), as the C++ core's scratch: once warm, a call
+    allocates nothing. A call holds its buffers only until it returns (its collectives complete inside it)."""
+    pools = _scratch.__dict__.setdefault("pools", {})
+    key = (slot, str(device))
+    buf = pools.get(key)
+    if buf is None or buf.numel() < nbytes:
+        grow = max(nbytes, 0 if buf is None else buf.numel() * 3 // 2)
+        buf = pools[key] = torch.empty(grow, dtype=torch.uint8, device=device)
+    return buf[:nbytes]
 
 
 def _aligned(nbytes: int) -> int:
@@ -218,7 +234,7 @@ def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, gr
 
 
 def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
-                     k: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                     k: Optional[int] = None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every rank's sparse (values, int32 indices), concatenated in rank order: the exchange of
     :func:`sparse_allreduce` without the sum (ranks may hold different k; dtypes must match).
 
@@ -229,17 +245,32 @@ def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
     exchange of the ranks' sizes is then skipped (one message round instead of two); each block carries
     its k and dtype and every receiver checks them. Only for a k that is the same on every rank by
     construction: a peer that sends more pairs than ``k`` makes gloo abort the receiving process.
+
+    ``out``: ``(values_buffer, indices_buffer)`` kept by the caller across calls (the values' dtype and
+    int32, contiguous, on the values' device): the result is written into their first elements and
+    returned as views of them, so a step allocates nothing; a result longer than a buffer comes back in
+    a new tensor.
     """
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
         raise ValueError(f"bagua_lite.comm.sparse_allgather: k must be an int >= 0 or None, got {k!r}")
     pg = resolve_group(group, "sparse_allgather")
     check_device(values, pg, "sparse_allgather", "values")
-    return _C.sparse_allgather(pg, values, indices, -1 if k is None else k)
+    out_values, out_indices = _out_pair(out, "sparse_allgather")
+    return _C.sparse_allgather(pg, values, indices, -1 if k is None else k, out_values, out_indices)
+
+
+def _out_pair(out, fn):
+    if out is None:
+        return None, None
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        raise TypeError(f"bagua_lite.comm.{fn}: out must be None or a pair of tensors (values, indices), got {out!r}")
+    return out
 
 
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,
                     exact: bool = False, numel: Optional[int] = None,
-                    value_bits: Optional[int] = None, final_union: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                    value_bits: Optional[int] = None, final_union: bool = False,
+                    out=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Global Top-k of the ranks' sparse sets (gTop-k S-SGD), by recursive doubling.
 
     In round r each rank swaps its k (value, index) pairs with rank XOR 2^r, sums equal indices and
@@ -261,6 +292,9 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
     entries) instead of its k largest. The bytes on the wire are the same (a round's messages are its
     inputs; when P is not a power of two the hand-back to the extra ranks is laid out for 2k entries), and
     more of what the ranks sent is applied; at P = 2 it is the sum of both ranks' sets. The same on all ranks.
+
+    ``out``: ``(values_buffer, indices_buffer)``, as :func:`sparse_allgather`'s (k entries at most, 2k with
+    ``final_union``).
     """
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"bagua_lite.comm.gtopk_allreduce: k must be an int, got {type(k).__name__}")
@@ -273,8 +307,9 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
         raise TypeError(f"bagua_lite.comm.gtopk_allreduce: final_union must be a bool, got {final_union!r}")
     pg = resolve_group(group, "gtopk_allreduce")
     check_device(values, pg, "gtopk_allreduce", "values")
+    out_values, out_indices = _out_pair(out, "gtopk_allreduce")
     return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact), -1 if numel is None else numel,
-                                    value_bits or 0, final_union))
+                                    value_bits or 0, final_union, out_values, out_indices))
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:

@@ -219,6 +219,10 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return torch.stack(fields, 1).reshape(-1)[:n]
 
 
+def _cpu_float32(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
+
+
 def _deliver(vals: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     # rounded to out's dtype first, so that accumulating adds exactly what decompress would write
     vals = vals.to(out.dtype).view_as(out)
@@ -243,6 +247,9 @@ class _AbsMaxLowBit(Compressor):
         if _C.cuda_handles_codec(x):  # the CUDA kernels: the same bytes, no host synchronisation
             _C.absmax_encode_cuda(x.reshape(-1).contiguous(), out[:4], out[4:self.wire_bytes(x.numel())], self.bits)
             return
+        if _cpu_float32(x):  # the C++ kernel: the same bytes, no temporaries
+            _C.absmax_encode_cpu(x.view(-1), out[:4], out[4:self.wire_bytes(x.numel())], self.bits)
+            return
         scale, codes = _absmax_codes(x, self.levels)
         out[:4].view(torch.float32)[0] = scale
         # biased codes: code + levels in 0..2*levels (fits ``bits`` bits)
@@ -252,6 +259,9 @@ class _AbsMaxLowBit(Compressor):
         n = out.numel()
         if out.dtype == torch.float32 and out.is_contiguous() and _C.cuda_handles_codec(out):
             _C.absmax_decode_cuda(wire[:4], wire[4:self.wire_bytes(n)], out.view(-1), self.bits, accumulate)
+            return
+        if _cpu_float32(out):
+            _C.absmax_decode_cpu(wire[:4], wire[4:self.wire_bytes(n)], out.view(-1), self.bits, accumulate)
             return
         scale = wire[:4].view(torch.float32)[0]
         codes = _unpack(wire[4:self.wire_bytes(n)], self.bits, n).to(torch.float32) - self.levels

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/extension.h>
 
+#include "alloc_watch.h"
 #include "collectives/collectives.h"
 #include "common.h"
 #include "engine/engine.h"
@@ -130,6 +131,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
       },
       py::arg("header"), py::arg("codes"), py::arg("out"), py::arg("bits"), py::arg("accumulate"), release());
+  m.def("absmax_encode_cpu", &kern::absmax_encode_cpu, py::arg("x"), py::arg("header"), py::arg("codes"),
+        py::arg("bits"), release());
+  m.def("absmax_decode_cpu", &kern::absmax_decode_cpu, py::arg("header"), py::arg("codes"), py::arg("out"),
+        py::arg("bits"), py::arg("accumulate"), release());
   m.def("decompress", &kern::decompress, py::arg("wire"), py::arg("compression"), py::arg("numel"),
         py::arg("dtype"), release());
   m.def("wire_bytes", [](const std::string& c, int64_t n) { return kern::get_compressor(c).wire_bytes(n); });
@@ -241,10 +246,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_allreduce", &coll::sparse_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"),
         py::arg("numel"), py::arg("out") = py::none(), release());
   m.def("sparse_allgather", &coll::sparse_allgather, py::arg("pg"), py::arg("values"), py::arg("indices"),
-        py::arg("k") = -1, release());
+        py::arg("k") = -1, py::arg("out_values") = py::none(), py::arg("out_indices") = py::none(), release());
   m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
         py::arg("exact"), py::arg("numel") = -1, py::arg("value_bits") = 0,
-        py::arg("final_union") = false, release());
+        py::arg("final_union") = false, py::arg("out_values") = py::none(), py::arg("out_indices") = py::none(),
+        release());
   m.def("shift_one_partner", &coll::shift_one_partner, py::arg("rank"), py::arg("size"), py::arg("step"));
 
   // ---- engine ----
@@ -299,6 +305,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("messages_sent", [] { return bl::traffic().messages.load(); });
   m.def("count_sent", [](int64_t bytes, int64_t messages) { bl::count_sent(bytes, messages); }, py::arg("bytes"),
         py::arg("messages"), "Count traffic sent from Python with torch.distributed (p2p weight exchanges).");
+  m.def("_alloc_watch_start", &bl::alloc_watch_start, py::arg("min_bytes"), py::arg("traces") = false,
+        "Tests: record every CPU allocation of at least min_bytes, from any thread, until _alloc_watch_stop "
+        "(traces: with each one's C++ backtrace).");
+  m.def("_alloc_watch_pause", &bl::alloc_watch_pause, py::arg("paused"),
+        "Tests: pause (True) or resume (False) the running watch, for every thread.");
+  m.def("_alloc_watch_stop", &bl::alloc_watch_stop,
+        "Tests: stop the watch; the sizes it recorded, in order, and their backtraces (empty without traces).");
   m.def("reset_traffic", [] {
     bl::traffic().bytes_sent = 0;
     bl::traffic().messages = 0;

@@ -22,4 +22,15 @@ at::Tensor scratch_bytes(Slot slot, int64_t nbytes, const at::Device& device) {
   return buf.narrow(0, 0, nbytes);
 }
 
+at::Tensor result_buffer(const std::optional<at::Tensor>& out, int64_t n, const at::TensorOptions& opts,
+                         const char* fn, const char* name) {
+  if (!out.has_value()) return at::empty({n}, opts);
+  const at::Tensor& o = *out;
+  check_contiguous(o, fn, name);
+  BL_CHECK(o.scalar_type() == opts.dtype().toScalarType() && o.device() == opts.device(), fn, ": `", name,
+           "` must be a ", opts.dtype(), " tensor on ", opts.device(), " (the result's), got ", o.scalar_type(),
+           " on ", o.device());
+  return o.numel() >= n ? o.view(-1).narrow(0, 0, n) : at::empty({n}, opts);
+}
+
 }  // namespace bagua_lite

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,6 +56,12 @@ inline void count_sent(int64_t bytes, int64_t messages = 1) {
 // so that two buffers live at the same time never alias.
 enum class Slot : int { kSend = 0, kRecv, kAux, kAux2, kCount };
 at::Tensor scratch_bytes(Slot slot, int64_t nbytes, const at::Device& device);
+
+// The caller's buffer for a result of n elements (`out`, optional): its first n elements where it is long
+// enough, else a new tensor with `opts` (a result that outgrew the buffer still comes back). `out` must be
+// contiguous, on opts' device and of opts' dtype (checked, naming `fn` and `name`).
+at::Tensor result_buffer(const std::optional<at::Tensor>& out, int64_t n, const at::TensorOptions& opts,
+                         const char* fn, const char* name);
 
 // Blocks until the work is done; rethrows the backend's error (e.g. a timed-out or failed peer).
 inline void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }

@@ -186,6 +186,46 @@ def test_non_finite_inputs_do_not_crash(name):
         comp.decompress(wire, out, accumulate=True)
 
 
+def _aten_absmax(comp, x, base, accumulate):
+    """The Python (ATen) codec, which other dtypes take: the reference for the float32 C++ kernel."""
+    scale, codes = compressors._absmax_codes(x, comp.levels)
+    wire = torch.zeros(comp.wire_bytes(x.numel()), dtype=torch.uint8)
+    wire[:4].view(torch.float32)[0] = scale
+    wire[4:].copy_(compressors._pack((codes + comp.levels).to(torch.uint8), comp.bits))
+    out = base.clone()
+    vals = compressors._unpack(wire[4:], comp.bits, x.numel()).to(torch.float32) - comp.levels
+    compressors._deliver(vals * wire[:4].view(torch.float32)[0], out, accumulate)
+    return wire, out
+
+
+@pytest.mark.parametrize("name", tuple(ABSMAX))
+def test_the_float32_kernel_is_the_aten_codec_bit_for_bit(name):
+    """float32 CPU tensors take the C++ kernel (no temporaries; tests/test_allocations.py); it writes the ATen
+    codec's bytes and decodes to its bits, on random and adversarial inputs (ties at .5, denormals, the
+    largest floats, inf; NaN: the scale is a NaN either way and every code 0)."""
+    comp = compressors.get_compressor(name)
+    g = torch.Generator().manual_seed(SEED)
+    xs = [torch.randn(n, generator=g) * 3 for n in SIZES + (65, 100_003)]
+    xs += [torch.zeros(17), torch.full((10,), -2.5), torch.tensor([7.0, 3.5, -3.5, 0.5, -0.5, 1.5, 2.5, -6.5]),
+           torch.tensor([1e-45, -1e-45, 3e-45, 0.0]), torch.tensor([3.4028235e38, -3.4028235e38, 1.0]),
+           torch.tensor([1.0, float("inf"), -2.0]), torch.tensor([-float("inf"), 0.5]),
+           torch.tensor([1.0, float("nan"), 3.0, -7.0, 0.25])]
+    for x in xs:
+        wire = torch.empty(comp.wire_bytes(x.numel()), dtype=torch.uint8)
+        comp.compress(x, wire)
+        for accumulate in (False, True):
+            base = torch.randn(x.numel(), generator=g)
+            ref_wire, ref_out = _aten_absmax(comp, x, base, accumulate)
+            out = base.clone()
+            comp.decompress(wire, out, accumulate=accumulate)
+            if torch.isnan(x).any():  # the scale's NaN bits are not specified; the codes are
+                assert wire[:4].view(torch.float32).isnan().all() and torch.equal(wire[4:], ref_wire[4:])
+                assert out.isnan().all() and ref_out.isnan().all()
+                continue
+            assert torch.equal(wire, ref_wire), (name, x[:8])
+            assert torch.equal(out.view(torch.int32), ref_out.view(torch.int32)), (name, accumulate, x[:8])
+
+
 @pytest.mark.parametrize("name", NEW)
 def test_encode_error_feedback_keeps_what_was_lost(name):
     """residual' = (x + residual) - D(C(x + residual)); over steps nothing is lost."""

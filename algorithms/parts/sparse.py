@@ -73,6 +73,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         # the next step clear k entries instead of the whole bucket (None: clear everything). A round's
         # entries count once it is kept (commit_round): a discarded round's buckets are NaN everywhere.
         self._written, self._round_written = [None] * len(model.buckets), [None] * len(model.buckets)
+        self._out_values, self._out_indices = None, [[None, None] for _ in model.buckets]
 
     def check_shards(self, optimizer):
         mc = self.momentum_correction
@@ -105,6 +106,19 @@ class ErrorFeedbackSparsifier(Algorithm):
             self.selection.reset(b)
         self._written[:] = self._round_written[:] = [None] * len(self._written)
         self._correction.restore(forget=True)
+
+    def result_out(self, bucket, n):
+        """``out`` buffers for a round's exchanged pairs, up to ``n`` of them, kept across steps (a step
+        allocates none). The values' buffer is one for all buckets (read at once); each bucket's indices
+        alternate between two, because a kept round's indices are read until the next round's op has run
+        (``clear_result``, the momentum correction's sparse step)."""
+        if self._out_values is None or self._out_values.numel() < n:
+            self._out_values = torch.empty(n, dtype=bucket.dtype, device=bucket.flat.device)
+        pair = self._out_indices[bucket.index]
+        pair.reverse()
+        if pair[0] is None or pair[0].numel() < n:
+            pair[0] = torch.empty(n, dtype=torch.int32, device=bucket.flat.device)
+        return self._out_values, pair[0]
 
     def clear_result(self, flat, bucket_index):
         """Zero the bucket cheaply: only the entries the previous step's result wrote."""

@@ -39,19 +39,24 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
 
 // The same exchange without the sum: every rank's pairs concatenated in rank order (sum of the ks long).
 // A caller that keeps its dense result between calls scatters these itself and later clears only them.
+// `out_values` / `out_indices` (optional): buffers the caller keeps across calls; the result is written into
+// their first elements where they are long enough (common.h's result_buffer), so a step allocates nothing.
 std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
-                                                    const at::Tensor& indices,
-                                                    int64_t k = -1);
+                                                    const at::Tensor& indices, int64_t k = -1,
+                                                    const std::optional<at::Tensor>& out_values = std::nullopt,
+                                                    const std::optional<at::Tensor>& out_indices = std::nullopt);
 
 // Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.
 // numel (>= 0: the dense length) lets the indices travel as a bitmap where that is smaller; value_bits = 4
 // sends 4-bit values (a scale per 64) and overwrites `values` with what of this rank's contribution the
-// result kept.
+// result kept. out_values / out_indices: as sparse_allgather's.
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact,
                                                    int64_t numel = -1, int64_t value_bits = 0,
-                                                   bool final_union = false);
+                                                   bool final_union = false,
+                                                   const std::optional<at::Tensor>& out_values = std::nullopt,
+                                                   const std::optional<at::Tensor>& out_indices = std::nullopt);
 
 // The partner of `rank` at `step` in the shift_one schedule (one partner that rotates with `step`; a
 // round-robin schedule, one rank idle per step when P is odd), or -1 if it sits this step out.

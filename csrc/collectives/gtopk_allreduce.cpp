@@ -290,7 +290,9 @@ struct GTopK : Buffers<T> {
 
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact, int64_t numel,
-                                                   int64_t value_bits, bool final_union) {
+                                                   int64_t value_bits, bool final_union,
+                                                   const std::optional<at::Tensor>& out_values,
+                                                   const std::optional<at::Tensor>& out_indices) {
   BL_CHECK(numel >= -1, "gtopk_allreduce: numel must be >= 0 (or -1: not given), got ", numel);
   kernels::check_sparse_args(values, indices, numel, "gtopk_allreduce");
   BL_CHECK(k >= 0, "gtopk_allreduce: k must be >= 0, got ", k);
@@ -421,20 +423,20 @@ std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, co
       if (!values.is_cpu()) values.copy_(back);
     }
 
-    out_i = at::from_blob(g.si.data(), {g.count}, at::TensorOptions().dtype(at::kInt)).clone();
-    out_v = at::from_blob(g.sv.data(), {g.count}, at::TensorOptions().dtype(values.scalar_type())).clone();
-    if (exact && g.count > 0) {
-      // Each rank's own value at every selected index (0 where it had none), summed over ranks.
-      T* ov = out_v.data_ptr<T>();
+    if (exact) {
+      // Each rank's own value at every selected index (0 where it had none), summed over ranks below.
       for (int64_t j = 0; j < g.count; ++j) {
         const int32_t* it = std::lower_bound(li, li + ln, g.si[j]);
-        ov[j] = (it != li + ln && *it == g.si[j]) ? lv[it - li] : T(0);
+        g.sv[j] = (it != li + ln && *it == g.si[j]) ? lv[it - li] : T(0);
       }
-      out_v = out_v.to(dev);
-      pg_allreduce_sum(pg, out_v);
     }
+    out_i = result_buffer(out_indices, g.count, indices.options().device(dev), "gtopk_allreduce", "out_indices");
+    out_v = result_buffer(out_values, g.count, values.options().device(dev), "gtopk_allreduce", "out_values");
+    out_i.copy_(at::from_blob(g.si.data(), {g.count}, at::TensorOptions().dtype(at::kInt)));
+    out_v.copy_(at::from_blob(g.sv.data(), {g.count}, at::TensorOptions().dtype(values.scalar_type())));
+    if (exact && g.count > 0) pg_allreduce_sum(pg, out_v);
   });
-  return {out_v.to(dev), out_i.to(dev)};
+  return {out_v, out_i};
 }
 
 }  // namespace collectives

@@ -122,7 +122,9 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
 }
 
 std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
-                                                    const at::Tensor& indices, int64_t k) {
+                                                    const at::Tensor& indices, int64_t k,
+                                                    const std::optional<at::Tensor>& out_values,
+                                                    const std::optional<at::Tensor>& out_indices) {
   kernels::check_sparse_args(values, indices, -1, "sparse_allgather");
   BL_CHECK(k >= -1, "sparse_allgather: k must be >= 0 (or -1: ranks may differ), got ", k);
   std::vector<int64_t> ks;
@@ -131,8 +133,15 @@ std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, c
     vs.push_back(v);
     is.push_back(i);
   }, k);
-  if (vs.empty()) return {values.new_empty({0}), indices.new_empty({0})};
-  return {at::cat(vs), at::cat(is)};
+  int64_t total = 0;
+  for (const auto& v : vs) total += v.numel();
+  auto ov = result_buffer(out_values, total, values.options(), "sparse_allgather", "out_values");
+  auto oi = result_buffer(out_indices, total, indices.options(), "sparse_allgather", "out_indices");
+  if (!vs.empty()) {
+    at::cat_out(ov, vs);
+    at::cat_out(oi, is);
+  }
+  return {ov, oi};
 }
 
 }  // namespace collectives

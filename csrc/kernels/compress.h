@@ -36,6 +36,15 @@ class Compressor {
   }
 };
 
+// absmax4 / absmax2 (compressors.py's codecs for the DiLoCo family) on the CPU, float32 and contiguous:
+// scale = max|x| / levels into `header` (4 bytes), codes round-half-even(x / scale) clamped to -levels..levels
+// (NaN -> 0, all 0 unless scale > 0), biased by levels, `8 / bits` to a byte, element j at bit bits * j.
+// The Python codec's bytes, without its temporaries; the CUDA kernels' twins (cuda.h).
+void absmax_encode_cpu(const at::Tensor& x, at::Tensor& header, at::Tensor& codes, int64_t bits);
+// out = (code - levels) * scale, or out += that with `accumulate` (float32, contiguous).
+void absmax_decode_cpu(const at::Tensor& header, const at::Tensor& codes, at::Tensor& out, int64_t bits,
+                       bool accumulate);
+
 // "fp16", "bf16", "minmax_uint8" or "sign"; anything else raises a ValueError listing the allowed names.
 const Compressor& get_compressor(const std::string& name);
 
