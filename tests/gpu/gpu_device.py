@@ -30,6 +30,26 @@ def join_group(rank, P, backend, device, store_path):
     return dev
 
 
+def serve_rows(rank, P, backend, device, store_path, results, names, row):
+    """A spawned rank's whole life for a table of rows: join the group, ``row(dev, name)`` for each name (an
+    exception becomes that row's traceback, as a string, not the end of the run), leave the group, and put
+    ``(rank, {name: result})`` on ``results`` (``{"__fatal__": traceback}`` if the rank itself failed)."""
+    import traceback
+    try:
+        import torch.distributed as dist
+        dev = join_group(rank, P, backend, device, store_path)
+        out = {}
+        for name in names:
+            try:
+                out[name] = row(dev, name)
+            except Exception:  # noqa: BLE001 - a row of the table, not the end of the run
+                out[name] = traceback.format_exc(limit=3)
+        dist.destroy_process_group()
+        results.put((rank, out))
+    except BaseException:  # noqa: BLE001
+        results.put((rank, {"__fatal__": traceback.format_exc()}))
+
+
 def spawn_ranks(worker, P, args, timeout=240):
     """Start ``P`` spawned processes running ``worker(rank, P, *args, store_path, results)`` (each joins a
     process group through the file store at ``store_path`` and puts ``(rank, out)`` on ``results``), and

@@ -8,13 +8,13 @@ allocation watch) are summed, leaving out the optimizers' own steps (the user's 
 optimizer's, measured around them). The excess over the plain loop's steps must stay under 1/8 of the
 model's bytes a step: flags, step counters and scalars pass; a copy of a bucket does not.
 """
-import traceback
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from algo_matrix import ALGORITHMS
-from gpu_device import DEVICE, join_group, spawn_ranks
+from gpu_device import DEVICE, serve_rows, spawn_ranks
 
 SIZES = (64, 512, 512, 16)
 WARMUP, WATCHED = 6, 8
@@ -98,19 +98,8 @@ def _steady_bytes(rank, dev, name):
 
 
 def _worker(rank, P, backend, device, store_path, results):
-    try:
-        import torch.distributed as dist
-        dev = join_group(rank, P, backend, device, store_path)
-        out = {}
-        for name in ("plain",) + tuple(ALGORITHMS):
-            try:
-                out[name] = _steady_bytes(rank, dev, name)
-            except Exception:  # noqa: BLE001 - a row of the table, not the end of the run
-                out[name] = traceback.format_exc(limit=3)
-        dist.destroy_process_group()
-        results.put((rank, out))
-    except BaseException:  # noqa: BLE001
-        results.put((rank, {"__fatal__": traceback.format_exc()}))
+    serve_rows(rank, P, backend, device, store_path, results, ("plain",) + tuple(ALGORITHMS),
+               functools.partial(_steady_bytes, rank))
 
 
 def test_a_steady_step_allocates_nothing_proportional_to_the_model_on_the_device(dev, record):

@@ -2,14 +2,14 @@
 change only, so every algorithm's weights are bit for bit those of the run without it, under NCCL at P = 1
 and over gloo with CUDA tensors at P = 2; and a step makes no more host synchronisations with it than
 without. On the CPU (``BAGUA_LITE_GPU_CHECK=cpu``) buckets have no stream: the runs must match trivially."""
+import functools
 import os
-import traceback
 
 import pytest
 import torch
 
 from algo_matrix import pick, train
-from gpu_device import DEVICE, join_group, spawn_ranks
+from gpu_device import DEVICE, serve_rows, spawn_ranks
 
 ALGORITHMS = pick("dense", "fp16", "uint8", "topk", "gtopk", "powersgd", "local_sgd", "diloco", "streaming_diloco")
 STEPS = 6
@@ -17,21 +17,14 @@ SIZES = (32, 64, 64, 8)
 BACKENDS = [("nccl", 1), ("gloo", 2)] if DEVICE == "cuda" else [("gloo", 2)]
 
 
+def _weights(rank, dev, key):
+    name, options = ALGORITHMS[key]
+    return train(rank, name, options, steps=STEPS, device=dev, sizes=SIZES, weight_decay=1e-4).numpy()
+
+
 def _worker(rank, P, backend, device, stream, store_path, results):
-    try:
-        os.environ["BAGUA_LITE_ENGINE_STREAM"] = stream  # read when an engine is made: before any model
-        import torch.distributed as dist
-        dev = join_group(rank, P, backend, device, store_path)
-        out = {}
-        for key, (name, options) in ALGORITHMS.items():
-            try:
-                out[key] = train(rank, name, options, steps=STEPS, device=dev, sizes=SIZES, weight_decay=1e-4).numpy()
-            except Exception:  # noqa: BLE001 - a row of the table, not the end of the run
-                out[key] = traceback.format_exc(limit=3)
-        dist.destroy_process_group()
-        results.put((rank, out))
-    except BaseException:  # noqa: BLE001
-        results.put((rank, {"__fatal__": traceback.format_exc()}))
+    os.environ["BAGUA_LITE_ENGINE_STREAM"] = stream  # read when an engine is made: before any model
+    serve_rows(rank, P, backend, device, store_path, results, tuple(ALGORITHMS), functools.partial(_weights, rank))
 
 
 @pytest.mark.parametrize("backend,P", BACKENDS, ids=[f"{b}-P{p}" for b, p in BACKENDS])
