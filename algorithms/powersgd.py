@@ -75,6 +75,10 @@ class PowerSGD(Algorithm):
             need[b.dtype, b.device] = max(need.get((b.dtype, b.device), 0), sum(n * r for n, _ in shapes))
             plans.append((b, low, dense, shapes))
         scratch = {key: torch.empty(k, dtype=key[0], device=key[1]) for key, k in need.items()}
+        # ORTHOGONALIZE's outputs, kept: Q (the largest P of a dtype and device) and R, column-major as
+        # LAPACK writes them, so torch.linalg.qr allocates nothing of P's size
+        self._qr_out = {key: (torch.empty(k, dtype=key[0], device=key[1]),
+                              torch.empty(r, r, dtype=key[0], device=key[1]).t()) for key, k in need.items()}
         self.residuals, self.qs, self.p_bufs, self.wires, self.matrices, self.dense = ([] for _ in range(6))
         for b, low, dense, shapes in plans:
             n_q = sum(m * r for _, m in shapes)
@@ -112,6 +116,16 @@ class PowerSGD(Algorithm):
         powersgd.__name__ = f"powersgd_bucket{bucket.index}"
         return [powersgd]
 
+    def _orthogonalized(self, p):
+        """Q of P's reduced QR: into the kept buffers where LAPACK takes P's dtype, else in float32."""
+        n, r = p.shape
+        if p.dtype not in _QR_DTYPES or n < r:
+            return torch.linalg.qr(p if p.dtype in _QR_DTYPES else p.float()).Q
+        flat, r_out = self._qr_out[p.dtype, p.device]
+        q_out = flat[:n * r].view(r, n).t()
+        torch.linalg.qr(p, out=(q_out, r_out))
+        return q_out
+
     def compress_and_average(self, b):
         mats, group = self.matrices[b], self.process_group
         for g, m, p, q in mats:
@@ -120,7 +134,7 @@ class PowerSGD(Algorithm):
         if mats:
             comm.allreduce(self.p_bufs[b], "sum", group=group)
         for g, m, p, q in mats:
-            p.copy_(torch.linalg.qr(p if p.dtype in _QR_DTYPES else p.float()).Q)  # P^ <- ORTHOGONALIZE(P)
+            p.copy_(self._orthogonalized(p))               # P^ <- ORTHOGONALIZE(P)
             torch.mm(m.t(), p, out=q)                      # Q <- M^T P^
             m.addmm_(p, q.t(), alpha=-1)                   # e <- M - P^ Q^T
         for slot, buf in self.dense[b]:
