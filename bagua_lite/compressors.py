@@ -293,6 +293,8 @@ def _topk_indices(xf: torch.Tensor, k: int) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64, device=xf.device)
     if _C.cuda_handles_codec(xf):  # the CUDA kernel: the same choice, no host synchronisation (NaN: largest)
         return _C.topk(xf, k)[1]
+    if _cpu_float32(xf) and _C.all_finite(xf):  # the CPU kernel (which refuses NaN): the same choice
+        return _C.topk(xf, k)[1]
     a = torch.nan_to_num(xf.abs(), nan=float("inf"))
     if k == a.numel():
         return torch.arange(k, device=xf.device)
@@ -374,9 +376,12 @@ class TopKAbsMax2Compressor(TopKCompressor):
             out[4:4 + 4 * k].view(torch.int32).copy_(idx)
             _C.absmax_encode_cuda(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
             return
+        out[4:4 + 4 * k].view(torch.int32).copy_(idx)
+        if _cpu_float32(xf):  # the absmax2 kernel on the CPU: the same bytes
+            _C.absmax_encode_cpu(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
+            return
         scale, codes = _absmax_codes(xf[idx], 1)
         out[:4].view(torch.float32)[0] = scale
-        out[4:4 + 4 * k].view(torch.int32).copy_(idx)
         out[4 + 4 * k:self.wire_bytes(xf.numel())].copy_(_pack((codes + 1).to(torch.uint8), 2))
 
     def decompress(self, wire, out, accumulate=False):
