@@ -31,7 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import _C, compressors
+from . import _C, _compat, compressors
 from ._groups import check_device, resolve_group
 
 __all__ = ["allreduce", "allreduce_start", "split_even", "compressed_allreduce", "sparse_allreduce", "sparse_allgather",
@@ -193,7 +193,7 @@ def _compressed_allreduce_py(pg, t, comp, average, residual):
     own[wire[me]:].zero_()  # the padding travels too: zeros, as every time
     comp.compress(mine, own.narrow(0, 0, wire[me]))
     gathered = _scratch_bytes("gathered", slot * P, t.device)
-    dist.all_gather_into_tensor(gathered, own, group=pg)
+    _compat.all_gather_single(gathered, own, group=pg)
     for r, (start, length) in enumerate(chunk):
         comp.decompress(gathered.narrow(0, r * slot, wire[r]), flat.narrow(0, start, length), accumulate=False)
     _C.count_sent(sum(send_splits) - piece + (P - 1) * slot, 2 * (P - 1))
