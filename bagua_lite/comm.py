@@ -25,13 +25,12 @@ Example::
     vals, idx = bagua_lite.kernels.topk(g, 10)
     vals, idx = bagua_lite.comm.gtopk_allreduce(vals, idx, k=10)   # same set on every rank
 """
-import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _C, _compat, compressors
+from . import _C, _compat, compressors, runtime
 from ._groups import check_device, resolve_group
 
 __all__ = ["allreduce", "allreduce_start", "split_even", "compressed_allreduce", "sparse_allreduce", "sparse_allgather",
@@ -174,14 +173,14 @@ def _compressed_allreduce_py(pg, t, comp, average, residual):
     chunk = [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(P)]
     wire = [comp.wire_bytes(length) for _, length in chunk]
     send_splits = [_aligned(w) for w in wire]  # every wire buffer starts at an 8-byte boundary
-    send = _scratch_bytes("send", sum(send_splits), t.device)
+    send = runtime.kept_buffer("send", sum(send_splits), torch.uint8, t.device)
     off = 0
     for (start, length), size, split in zip(chunk, wire, send_splits):
         encode_residual = res.narrow(0, start, length) if res is not None else None
         compressors.encode(comp, flat.narrow(0, start, length), send.narrow(0, off, size), encode_residual)
         off += split
     piece = send_splits[me]
-    recv = _scratch_bytes("recv", piece * P, t.device)
+    recv = runtime.kept_buffer("recv", piece * P, torch.uint8, t.device)
     dist.all_to_all_single(recv, send, [piece] * P, send_splits, group=pg)
     mine = flat.narrow(0, *chunk[me])
     for r in range(P):
@@ -189,29 +188,14 @@ def _compressed_allreduce_py(pg, t, comp, average, residual):
     if average:
         mine.div_(P)
     slot = send_splits[0]
-    own = _scratch_bytes("own", slot, t.device)
+    own = runtime.kept_buffer("own", slot, torch.uint8, t.device)
     own[wire[me]:].zero_()  # the padding travels too: zeros, as every time
     comp.compress(mine, own.narrow(0, 0, wire[me]))
-    gathered = _scratch_bytes("gathered", slot * P, t.device)
+    gathered = runtime.kept_buffer("gathered", slot * P, torch.uint8, t.device)
     _compat.all_gather_single(gathered, own, group=pg)
     for r, (start, length) in enumerate(chunk):
         comp.decompress(gathered.narrow(0, r * slot, wire[r]), flat.narrow(0, start, length), accumulate=False)
     _C.count_sent(sum(send_splits) - piece + (P - 1) * slot, 2 * (P - 1))
-
-
-_scratch = threading.local()
-
-
-def _scratch_bytes(slot: str, nbytes: int, device) -> torch.Tensor:
-    """A grow-only byte buffer per (thread, slot, device), as the C++ core's scratch: once warm, a call
-    allocates nothing. A call holds its buffers only until it returns (its collectives complete inside it)."""
-    pools = _scratch.__dict__.setdefault("pools", {})
-    key = (slot, str(device))
-    buf = pools.get(key)
-    if buf is None or buf.numel() < nbytes:
-        grow = max(nbytes, 0 if buf is None else buf.numel() * 3 // 2)
-        buf = pools[key] = torch.empty(grow, dtype=torch.uint8, device=device)
-    return buf[:nbytes]
 
 
 def _aligned(nbytes: int) -> int:

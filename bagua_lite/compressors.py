@@ -67,12 +67,11 @@ A Python compressor runs through the same collectives as the built-ins (a generi
 path in :mod:`bagua_lite.comm`), only slower. The wire buffers it is handed start at an 8-byte boundary,
 so views such as ``out[:4].view(torch.float32)`` work.
 """
-import threading
 from typing import Dict, List, Optional, Type, Union
 
 import torch
 
-from . import _C
+from . import _C, runtime
 
 __all__ = ["Compressor", "register_compressor", "get_compressor", "registered_compressors", "encode",
            "TopKCompressor", "TopKAbsMax2Compressor"]
@@ -220,17 +219,6 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return torch.stack(fields, 1).reshape(-1)[:n]
 
 
-_kept = threading.local()
-
-
-def _kept_f32(n: int) -> torch.Tensor:
-    """A grow-only float32 CPU buffer per thread (a decode's values, used before the call returns)."""
-    buf = getattr(_kept, "f32", None)
-    if buf is None or buf.numel() < n:
-        buf = _kept.f32 = torch.empty(max(n, 0 if buf is None else buf.numel() * 3 // 2))
-    return buf[:n]
-
-
 def _cpu_float32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
 
@@ -367,7 +355,10 @@ class TopKCompressor(Compressor):
         if k == 0:
             return
         idx_bytes, vals = pairs()
-        flat.index_add_(0, idx_bytes.view(torch.int32).to(torch.int64), vals.to(out.dtype))
+        if _cpu_float32(out) and vals.dtype == torch.float32:  # distinct indices: index_add_'s sums, no copies
+            _C.scatter_add_(flat, vals, idx_bytes.view(torch.int32))
+        else:
+            flat.index_add_(0, idx_bytes.view(torch.int32).to(torch.int64), vals.to(out.dtype))
 
 
 class TopKAbsMax2Compressor(TopKCompressor):
@@ -384,11 +375,10 @@ class TopKAbsMax2Compressor(TopKCompressor):
         xf = x.reshape(-1).to(torch.float32)
         k = self.k(xf.numel())
         idx = _topk_indices(xf, k)
+        out[4:4 + 4 * k].view(torch.int32).copy_(idx)
         if _C.cuda_handles_codec(xf):  # the absmax2 kernel: the same bytes, no host synchronisation
-            out[4:4 + 4 * k].view(torch.int32).copy_(idx)
             _C.absmax_encode_cuda(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
             return
-        out[4:4 + 4 * k].view(torch.int32).copy_(idx)
         if _cpu_float32(xf):  # the absmax2 kernel on the CPU: the same bytes
             _C.absmax_encode_cpu(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
             return
@@ -398,17 +388,14 @@ class TopKAbsMax2Compressor(TopKCompressor):
 
     def decompress(self, wire, out, accumulate=False):
         k = self.k(out.numel())
-        if k and _cpu_float32(out):  # the absmax2 kernel into a kept buffer, then one scatter: the same sums
-            vals = _kept_f32(k)
-            _C.absmax_decode_cpu(wire[:4], wire[4 + 4 * k:4 + 4 * k + (k + 3) // 4], vals, 2, False)
-            flat = out.view(-1)
-            if not accumulate:
-                flat.zero_()
-            _C.scatter_add_(flat, vals, wire[4:4 + 4 * k].view(torch.int32))
-            return
 
         def pairs():
-            codes = _unpack(wire[4 + 4 * k:4 + 4 * k + (k + 3) // 4], 2, k).to(torch.float32) - 1
+            codes_bytes = wire[4 + 4 * k:4 + 4 * k + (k + 3) // 4]
+            if _cpu_float32(out):  # the absmax2 kernel, into a buffer kept per thread
+                vals = runtime.kept_buffer("decoded", k, torch.float32, "cpu")
+                _C.absmax_decode_cpu(wire[:4], codes_bytes, vals, 2, False)
+                return wire[4:4 + 4 * k], vals
+            codes = _unpack(codes_bytes, 2, k).to(torch.float32) - 1
             return wire[4:4 + 4 * k], codes * wire[:4].view(torch.float32)[0]
         self._scatter(out, accumulate, k, pairs)
 

@@ -39,7 +39,10 @@ import gc
 import logging
 import os
 import sys
+import threading
 import time
+
+import torch
 
 from . import _C
 
@@ -127,3 +130,19 @@ def _bind_group_defaults_early() -> None:
 
 _bind_group_defaults_early()
 atexit.register(_release_at_exit)
+
+
+_kept = threading.local()
+
+
+def kept_buffer(slot: str, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The first ``n`` elements of a grow-only buffer per (thread, slot, dtype, device), as the C++ core's
+    ``scratch_bytes``: once warm, a call that needs working space allocates nothing. The caller holds it
+    only until it returns: the next call with the same slot on the same thread gets the same memory."""
+    pools = _kept.__dict__.setdefault("pools", {})
+    key = (slot, dtype, str(device))
+    buf = pools.get(key)
+    if buf is None or buf.numel() < n:
+        buf = pools[key] = torch.empty(max(n, 0 if buf is None else buf.numel() * 3 // 2), dtype=dtype,
+                                       device=device)
+    return buf[:n]

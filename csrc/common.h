@@ -19,6 +19,14 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 // as an AVX2 or FMA clone of a kernel loop, where the helper then uses the caller's instructions).
 #define BL_ALWAYS_INLINE inline __attribute__((__always_inline__))
 
+// A float32 hot loop compiled for AVX2 as well as the baseline, the copy picked at load time (GCC's function
+// multiversioning), so one build runs on any x86-64 and at full width where it can.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define BL_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define BL_MULTIVERSION
+#endif
+
 // ---- argument checks: every message names the function, the bad value and what is allowed ----------
 #define BL_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
 

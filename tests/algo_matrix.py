@@ -40,16 +40,21 @@ def pick(*keys):
     return {key: ALGORITHMS[key] for key in keys}
 
 
+def mlp(sizes):
+    """Linear layers of ``sizes`` with ReLUs between them, from seed 0 (the same start on every rank)."""
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(sizes, sizes[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
 def build_model(name, options, dtype=torch.float32, device="cpu", grad_scaler=None, sizes=(10, 24, 4),
                 weight_decay=0.0):
     """(net, optimizer, DistributedModel): the same start on every rank; Adam for qadam, else SGD momentum."""
     import bagua_lite
     from bagua_lite.algorithms import build
-    torch.manual_seed(0)
-    layers = []
-    for a, b in zip(sizes, sizes[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    net = torch.nn.Sequential(*layers[:-1]).to(device=device, dtype=dtype)
+    net = mlp(sizes).to(device=device, dtype=dtype)
     opt = torch.optim.Adam(net.parameters(), lr=1e-2) if name == "qadam" else \
         torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001,

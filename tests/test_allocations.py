@@ -18,19 +18,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from algo_matrix import ALGORITHMS
+from algo_matrix import ALGORITHMS, mlp
 
 SIZES = (64, 512, 512, 16)
 MIN_BYTES = 16 * 1024
 WARMUP, WATCHED = 6, 8
-
-
-def _model():
-    torch.manual_seed(0)
-    layers = []
-    for a, b in zip(SIZES, SIZES[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
 
 
 def _paused_around(optimizer):
@@ -46,7 +38,7 @@ def _r_steady_allocations(rank, world_size, names):
     from bagua_lite.algorithms import build
     out = {}
     for name in ("plain",) + tuple(names):
-        net = _model()
+        net = mlp(SIZES)
         opt = torch.optim.Adam(net.parameters(), lr=1e-3) if name == "qadam" else \
             torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         _paused_around(opt)

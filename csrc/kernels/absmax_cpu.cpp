@@ -33,12 +33,6 @@ void check_codec_args(const at::Tensor& floats, const at::Tensor& header, const 
            " bits, got ", codes.numel());
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define BL_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define BL_MULTIVERSION
-#endif
-
 // The element loops are branch-free, so they vectorize (compress.cpp's pattern: -fno-trapping-math turns a
 // float compare into a blend; GCC clones them for AVX2).
 

@@ -46,12 +46,6 @@ void check_wire(const at::Tensor& wire, int64_t need, const char* fn, const at::
 // become a blend) and alias-free (a uint8 store may alias anything: without locals and __restrict__ the
 // grid would be reloaded every element). Rounding adds and subtracts 1.5 * 2^23: round to nearest even in
 // the FPU's default mode, like nearbyint, without a library call.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define BL_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define BL_MULTIVERSION
-#endif
-
 BL_MULTIVERSION void quantize_f32(const float* __restrict__ src, uint8_t* __restrict__ dst, int64_t n,
                                   float origin, float scale, float zero) {
   for (int64_t i = 0; i < n; ++i) {

@@ -13,11 +13,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from algo_matrix import ALGORITHMS
+from algo_matrix import ALGORITHMS, mlp
 from gpu_device import DEVICE, serve_rows, spawn_ranks
-
-SIZES = (64, 512, 512, 16)
-WARMUP, WATCHED = 6, 8
+from test_allocations import SIZES, WARMUP, WATCHED  # the CPU test's MLP and window
 
 
 class _Meter:
@@ -66,11 +64,7 @@ class _Meter:
 def _steady_bytes(rank, dev, name):
     import bagua_lite
     from bagua_lite.algorithms import build
-    torch.manual_seed(0)
-    layers = []
-    for a, b in zip(SIZES, SIZES[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
-    net = torch.nn.Sequential(*layers[:-1]).to(dev)
+    net = mlp(SIZES).to(dev)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3) if name == "qadam" else \
         torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     meter = _Meter(dev)
