@@ -17,6 +17,8 @@ import traceback
 
 def _worker(rank, world_size, init_file, timeout_s, tasks, results):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import faulthandler
+    faulthandler.enable()  # a rank that dies of a signal prints every thread's Python stack to stderr
     import torch
     import torch.distributed as dist
 
@@ -87,6 +89,17 @@ def _forget_meshes():
         clear_native()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
+
+
+def _exit_status(code):
+    """A dead rank's exit code in words (multiprocessing gives -N for the signal N that killed it)."""
+    if code is None or code >= 0:
+        return f"exit code {code}"
+    import signal
+    try:
+        return f"killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"killed by signal {-code}"
 
 
 class RemoteError(RuntimeError):
@@ -185,7 +198,8 @@ class Cluster:
             dead = sorted(set(dead) | {r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got})
             parts = []
             if missing:
-                parts.append(f"no result from rank(s) {missing} (dead: {dead})")
+                codes = ", ".join(f"rank {r}: {_exit_status(self._procs[r].exitcode)}" for r in dead)
+                parts.append(f"no result from rank(s) {missing} (dead: {dead}; {codes or 'none exited'})")
             if errors:
                 parts.append(f"failed on {len(errors)} rank(s):\n" + "\n".join(errors))
             raise RemoteError(f"{fn.__name__}: " + "; ".join(parts), partial=got, dead=dead)
