@@ -15,16 +15,23 @@ import time
 import traceback
 
 
-def _worker(rank, world_size, init_file, timeout_s, tasks, results):
+def _worker(rank, world_size, init_file, timeout_s, tasks, results, log):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # stderr to this rank's log: the forkserver's own stderr is whatever pytest captured when the first
+    # cluster of the session started, so what a crashing rank prints would land in another test's output
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
     import faulthandler
-    faulthandler.enable()  # a rank that dies of a signal prints every thread's Python stack to stderr
+    faulthandler.enable()  # a rank that dies of a signal writes every thread's Python stack to its log
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    import gc
+    gc.freeze()  # what the imports made is never garbage: a collection between tasks skips it (0.5 s -> ms)
     made = set()
     while True:
         try:
@@ -69,6 +76,13 @@ def _destroy(groups):
         if data in groups or side in groups:
             del _control._side[key]
     _forget_meshes()
+    groups.clear()  # the caller's set was the last reference outside the task's own objects
+    # Free them now, while no peer is in a collective: a gloo group lives until its last reference goes,
+    # and the task's models, meshes and modules hold theirs in reference cycles. Left to the garbage
+    # collector, a group (its worker threads, its sockets) was torn down at some moment of a later task,
+    # on whichever thread ran the collection, while that task's own groups were busy.
+    import gc
+    gc.collect()
 
 
 def _forget_meshes():
@@ -89,6 +103,17 @@ def _forget_meshes():
         clear_native()
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
+    # the redistribution caches hold meshes too (and, through them, the groups): a planner per mesh, the
+    # transforms per pair of specs, the topology per mesh
+    from torch.distributed.tensor import _collective_utils, _redistribute
+    for name in ("clear_redistribute_planner_cache",):
+        clear = getattr(_redistribute, name, None)
+        if clear is not None:
+            clear()
+    for fn in (getattr(_redistribute, "_gen_transform_infos", None),
+               getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)):
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 def _exit_status(code):
@@ -144,10 +169,16 @@ class Cluster:
         fd, self._init_file = tempfile.mkstemp(prefix="bagua_lite_pg_")
         os.close(fd)
         os.unlink(self._init_file)  # FileStore creates it
+        self._logs = []
+        for r in range(world_size):
+            fd, path = tempfile.mkstemp(prefix=f"bagua_lite_rank{r}_", suffix=".log")
+            os.close(fd)
+            self._logs.append(path)
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, world_size, self._init_file, timeout_s, self._tasks[r], self._results))
+                                   args=(r, world_size, self._init_file, timeout_s, self._tasks[r], self._results,
+                                         self._logs[r]))
                        for r in range(world_size)]
         for p in self._procs:
             p.start()
@@ -202,8 +233,18 @@ class Cluster:
                 parts.append(f"no result from rank(s) {missing} (dead: {dead}; {codes or 'none exited'})")
             if errors:
                 parts.append(f"failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+            for r in dead:
+                parts.append(f"--- rank {r}'s stderr, the end ---\n{self.log_tail(r)}")
             raise RemoteError(f"{fn.__name__}: " + "; ".join(parts), partial=got, dead=dead)
         return [got[r][1] for r in range(self.world_size)]
+
+    def log_tail(self, rank, chars=6000):
+        """The end of what ``rank`` wrote to stderr (its log file)."""
+        try:
+            with open(self._logs[rank], errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError as e:
+            return f"(no log: {e})"
 
     def close(self):
         for q, p in zip(self._tasks, self._procs):
@@ -216,5 +257,6 @@ class Cluster:
             p.join(timeout=2 if self.broken else 10)  # a broken group may hang in its teardown
             if p.is_alive():
                 p.kill()
-        if os.path.exists(self._init_file):
-            os.unlink(self._init_file)
+        for path in [self._init_file] + self._logs:
+            if os.path.exists(path):
+                os.unlink(path)

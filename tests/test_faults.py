@@ -298,24 +298,3 @@ def test_killed_or_stopped_peer_every_algorithm(P, how):
     print(f"P={P} {how}, group timeout {pg_timeout} s: survivors raised after (s): {raised_after}")
     assert not hung, f"survivors that did not raise: {hung}"
 
-
-def _r_crash(rank, world):
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGSEGV)  # as a crash in native code would
-    return rank
-
-
-def test_the_harness_names_a_rank_killed_by_a_signal_and_prints_its_stack(capfd):
-    """A rank that dies of a signal is named with the signal, and its Python stack reaches stderr
-    (faulthandler), so a crash seen once in CI says where it happened."""
-    c = Cluster(2)
-    try:
-        with pytest.raises(RemoteError) as err:
-            c.run(_r_crash, timeout=60, grace=5)
-    finally:
-        c.close()
-    assert err.value.dead == [1], err.value.dead
-    assert "rank 1: killed by SIGSEGV" in str(err.value), str(err.value)
-    stderr = capfd.readouterr().err
-    assert "Fatal Python error: Segmentation fault" in stderr, stderr[-2000:]
-    assert "in _r_crash" in stderr, stderr[-2000:]  # the line it died on
