@@ -395,10 +395,7 @@ def build(name: str, **options) -> Algorithm:
     """Instantiate a registered algorithm by name with keyword options, validating names and types."""
     import difflib
 
-    if not isinstance(name, str):
-        raise TypeError(f"build: the algorithm's name must be a str, got {type(name).__name__} {name!r}; a dict with a "
-                        f"'name' key: build(**spec), or bagua_lite.config.config_from_dict({{'algorithm': spec}})")
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:  # a dict is unhashable: name it, not TypeError
         raise ValueError(f"unknown algorithm {name!r}; known algorithms: {', '.join(registered())}")
     cls = _REGISTRY[name]
     allowed = option_names(cls)

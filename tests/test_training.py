@@ -1063,6 +1063,8 @@ def test_unknown_algorithm_lists_known_ones():
     msg = _raises(ValueError, r"unknown algorithm 'gtop_k'", bagua_lite.parse_config, "algorithm: gtop_k\n")
     for known in ("decentralized", "gradient_allreduce", "gtopk", "local_sgd", "topk", "randomk_test"):
         assert known in msg, msg
+    # a config's dict where the name goes: named as it is, not an unhashable-type TypeError
+    _raises(ValueError, r"unknown algorithm \{'name': 'gtopk'\}; known algorithms: .*gtopk", build, {"name": "gtopk"})
 
 
 @pytest.mark.parametrize("text, pattern", [
