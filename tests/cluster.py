@@ -2,9 +2,10 @@
 
 ``Cluster(P)`` starts P processes (forked from a forkserver that imported torch once) that join one gloo
 process group and then serve tasks: a test calls ``cluster.run(fn, *args)`` with a module-level function
-``fn(rank, world_size, *args)``, every rank runs it, and the per-rank results come back as a list (index = rank). A remote exception is
-re-raised here with every failing rank's traceback; the cluster is then torn down, because a group whose
-ranks fell out of step cannot be trusted for the next test.
+``fn(rank, world_size, *args)``, every rank runs it, and the per-rank results come back as a list (index =
+rank). A remote exception is re-raised here with every failing rank's traceback (a rank that gave no result:
+how it exited and the end of its stderr, which goes to a log file per rank); the cluster is then torn down,
+because a group whose ranks fell out of step cannot be trusted for the next test.
 """
 import datetime
 import multiprocessing as mp
@@ -106,10 +107,9 @@ def _forget_meshes():
     # the redistribution caches hold meshes too (and, through them, the groups): a planner per mesh, the
     # transforms per pair of specs, the topology per mesh
     from torch.distributed.tensor import _collective_utils, _redistribute
-    for name in ("clear_redistribute_planner_cache",):
-        clear = getattr(_redistribute, name, None)
-        if clear is not None:
-            clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:
+        clear_planners()
     for fn in (getattr(_redistribute, "_gen_transform_infos", None),
                getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None)):
         if hasattr(fn, "cache_clear"):
@@ -233,7 +233,7 @@ class Cluster:
                 parts.append(f"no result from rank(s) {missing} (dead: {dead}; {codes or 'none exited'})")
             if errors:
                 parts.append(f"failed on {len(errors)} rank(s):\n" + "\n".join(errors))
-            for r in dead:
+            for r in missing:  # dead, or still inside something: what it last wrote
                 parts.append(f"--- rank {r}'s stderr, the end ---\n{self.log_tail(r)}")
             raise RemoteError(f"{fn.__name__}: " + "; ".join(parts), partial=got, dead=dead)
         return [got[r][1] for r in range(self.world_size)]
