@@ -54,13 +54,18 @@ def _torchrun(tmp_path, code, nproc, *options):
 
 
 def test_under_torchrun(tmp_path):
-    _torchrun(tmp_path, "import torch.distributed as dist, bagua_lite\n"
+    # one collective before the group goes: without it a rank could finish and close its end while its
+    # peer was still connecting (gloo's "connectFullMesh failed ... Connection closed by peer", seen once
+    # under a loaded full run), and a group that has carried nothing proves little
+    _torchrun(tmp_path, "import torch, torch.distributed as dist, bagua_lite\n"
                         "dist.init_process_group('gloo')\n"
+                        "t = torch.ones(1)\n"
+                        "dist.all_reduce(t)\n"
                         "r = [bagua_lite.get_rank(), bagua_lite.get_world_size(), bagua_lite.get_local_rank(),"
-                        " bagua_lite.get_local_size(), bagua_lite.get_node_rank()]\n"
+                        " bagua_lite.get_local_size(), bagua_lite.get_node_rank(), int(t.item())]\n"
                         "open(f'ranks{dist.get_rank()}', 'w').write(' '.join(map(str, r)))\n"
                         "dist.destroy_process_group()\n", 2)
-    assert [(tmp_path / f"ranks{r}").read_text() for r in range(2)] == ["0 2 0 2 0", "1 2 1 2 0"]
+    assert [(tmp_path / f"ranks{r}").read_text() for r in range(2)] == ["0 2 0 2 0 2", "1 2 1 2 0 2"]
 
 
 def test_init_process_group_refuses_before_any_traffic(monkeypatch):
