@@ -379,8 +379,9 @@ class TopKAbsMax2Compressor(TopKCompressor):
         if _C.cuda_handles_codec(xf):  # the absmax2 kernel: the same bytes, no host synchronisation
             _C.absmax_encode_cuda(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
             return
-        if _cpu_float32(xf):  # the absmax2 kernel on the CPU: the same bytes
-            _C.absmax_encode_cpu(xf[idx], out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
+        if _cpu_float32(xf):  # the absmax2 kernel on the CPU: the same bytes, the k values gathered into a kept buffer
+            vals = torch.index_select(xf, 0, idx, out=runtime.kept_buffer("selected", k, torch.float32, "cpu"))
+            _C.absmax_encode_cpu(vals, out[:4], out[4 + 4 * k:self.wire_bytes(xf.numel())], 2)
             return
         scale, codes = _absmax_codes(xf[idx], 1)
         out[:4].view(torch.float32)[0] = scale

@@ -297,4 +297,3 @@ def test_killed_or_stopped_peer_every_algorithm(P, how):
     raised_after = [r for o in outcomes for r in o[1]]
     print(f"P={P} {how}, group timeout {pg_timeout} s: survivors raised after (s): {raised_after}")
     assert not hung, f"survivors that did not raise: {hung}"
-
