@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import _compat, _control
 from ._failfast import PeerFailedError
+from .bucket import host_read
 
 BITS = 62  # parameters per int64 word of the used-parameter bitmap
 _ALL_USED = (1 << BITS) - 1
@@ -163,11 +164,13 @@ class RoundAgreement:
                 f"optimizer.step() the same number of times (a rank took an extra step or skipped one); {what} "
                 f"in this round")
 
-    def _round_values(self, unused):
-        """This rank's row of the agreement: first non-finite bucket (-1: none), step count, used-bit words."""
-        bad = self.algorithm.nonfinite_buckets
-        if self._nonfinite_flags is not None:  # the checks left on the device: one read per round
-            bad.update(i for i, v in enumerate(self._nonfinite_flags.tolist()) if v)
+    def _round_values(self, unused, flags=True):
+        """This rank's row of the agreement: first non-finite bucket (-1: none), step count, used-bit words.
+        ``flags``: with the checks left on the device, read their flags too (one host read); False: the
+        row of what the host knows (the flags then travel in the device's own agreement)."""
+        bad = set(self.algorithm.nonfinite_buckets)
+        if flags and self._nonfinite_flags is not None:
+            bad.update(i for i, v in enumerate(host_read(self._nonfinite_flags)) if v)
         words = [_ALL_USED] * self._used_words  # bit set: used on this rank
         for i in unused:
             words[i // BITS] &= ~(1 << (i % BITS))
@@ -179,20 +182,31 @@ class RoundAgreement:
         trip of its own). By the time the last bucket is submitted every gradient went through its fill
         check and the unused parameters are known (``unused``; a last bucket completed by the hooks had all
         its parameters used, and so had every earlier bucket). In the engine's one order it pairs with the
-        same collective on every rank. None where this rank's row is not known then (the non-finite checks
-        left on the device) or the agreement carries more (fault tolerance: the joiners, run_collective);
-        :meth:`_agree_after_round` then gathers after the buckets, else it waits for this one."""
+        same collective on every rank. Where the checks stay on the device, their flags are read here, on
+        the engine's thread, which waits for the fills that set them (the backward's last kernels), not for
+        the buckets' collectives, and the training thread waits for no flag at all (one rank alone makes no
+        collective: its row is the agreement). None where the agreement carries more (fault tolerance: the
+        joiners, run_collective) or one rank needs none: :meth:`_agree_after_round` then gathers after the
+        buckets, else it waits for this one."""
         self._posted = None
-        if self.world_size == 1 or self._elastic is not None or self._nonfinite_flags is not None:
+        flags = self._nonfinite_flags
+        if self._elastic is not None or (self.world_size == 1 and flags is None):
             return None
-        values = self._round_values(unused)
-        mine = torch.tensor(values, dtype=torch.int64)
+        values = self._round_values(unused, flags=False)
         out = torch.empty(self.world_size * len(values), dtype=torch.int64)
-        pg = _control.of(self.process_group)
+        pg = None if self.world_size == 1 else _control.of(self.process_group)
         posted = self._posted = [None, out]
 
         def step_agreement(_flat):
-            posted[0] = _compat.all_gather_single(out, mine, group=pg, async_op=True)
+            if flags is not None:
+                flagged = [i for i, v in enumerate(host_read(flags)) if v]
+                if flagged:
+                    values[0] = min(flagged) if values[0] < 0 else min(values[0], *flagged)
+            if pg is None:  # one rank: its row is the agreement
+                out.copy_(torch.tensor(values, dtype=torch.int64))
+                return
+            posted[0] = _compat.all_gather_single(out, torch.tensor(values, dtype=torch.int64), group=pg,
+                                                  async_op=True)
         return step_agreement
 
     def _take_posted(self):
@@ -201,6 +215,8 @@ class RoundAgreement:
         if posted is None:
             return None
         work, out = posted
+        if work is None:
+            return out.view(self.world_size, -1).tolist()
         try:
             if not work.is_completed():  # wait failing fast: a peer that failed after its buckets never posts it
                 done = threading.Event()

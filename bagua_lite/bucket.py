@@ -10,6 +10,13 @@ from bagua_lite import _C, _compat
 _SEAL_SAMPLE = 64  # entries Bucket.seal keeps: a uniform rescale changes every nonzero one
 
 
+def host_read(t: torch.Tensor) -> list:
+    """The values of a small tensor of answers left on the device (non-finite flags, changed-in-place
+    checks), as a list: every read the host makes of such an answer goes through here, and on a GPU each
+    call is one host synchronisation (tests count the calls per step with the CPU standing in)."""
+    return t.reshape(-1).tolist()
+
+
 class Bucket:
     """A flat buffer holding the gradients of ``params`` back to back, in bucket order.
 
@@ -106,7 +113,7 @@ def refuse_changed(who: str, buckets, holds: str, instead: str, scaler=None) -> 
     # one read for every bucket (one host synchronisation on a GPU, where a check per bucket made one each)
     seen = [b.changed(inv) for b in buckets]
     on_device = [d for d in seen if not isinstance(d, bool)]
-    if any(d is True for d in seen) or (on_device and bool(torch.stack(on_device).any())):
+    if any(d is True for d in seen) or (on_device and any(host_read(torch.stack(on_device)))):
         scaler_hint = "; with a GradScaler, pass it: DistributedModel(..., grad_scaler=scaler)" if scaler is None \
             else " (the unscale_ of the model's grad_scaler is no change)"
         raise RuntimeError(f"{who}: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."

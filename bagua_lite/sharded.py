@@ -31,7 +31,7 @@ from ._failfast import FailFast
 from ._groups import new_group_like
 from .agreement import RoundAgreement
 from .algorithm import Algorithm, registered, registered_class
-from .bucket import Bucket, defer_nonfinite_checks
+from .bucket import Bucket, defer_nonfinite_checks, host_read
 from .config import algorithm_from
 from .services import Services
 from .shard_units import find_units, resolve_groups
@@ -196,7 +196,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._backward_active = False
         bad = bool(self.algorithm.nonfinite_buckets)
         if not bad and self._nonfinite_flags is not None:  # the checks left on the device: one read per round
-            bad = bool(self._nonfinite_flags.any())
+            bad = any(host_read(self._nonfinite_flags))
         if not self._agree(1 if bad else 0):
             self.algorithm.commit_round()
             return

@@ -8,6 +8,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
+from .bucket import host_read
 from ._failfast import PeerFailedError
 
 _LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
@@ -69,7 +70,7 @@ class StepHooks:
         if not self._local_unread:
             return
         checked, self._local_unread = self._local_unread, []
-        if self._local_flag.item():
+        if host_read(self._local_flag)[0]:
             self._local_flag.zero_()
             if self._local_bad is None:
                 self._local_bad = next(

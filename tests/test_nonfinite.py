@@ -8,6 +8,7 @@ before the step, bit for bit, at odd and even P.
 """
 import hashlib
 import os
+import threading
 
 import pytest
 import torch
@@ -190,8 +191,33 @@ def _r_deferred(rank, P, scaler_on):
 def test_nonfinite_gradient_checked_on_the_device(clusters, scaler_on):
     res = clusters.get(3).run(_r_deferred, scaler_on, timeout=240)
     assert all(all(flags) for flags, _ in res), [flags for flags, _ in res]
+    at_once = clusters.get(3).run(_r_all, scaler_on, timeout=240)
     for label in DEFERRED:
         _check([r[label] for _, r in res], 3, label, scaler_on)
+        for r in range(3):  # the same error, naming the same rank and its first bad bucket
+            assert res[r][1][label]["errors"] == at_once[r][label]["errors"], (label, r)
+
+
+def _r_one_rank(rank, P, scaler_on):
+    """One rank alone, the bad one (BAD_RANK's batches), with the checks deferred and at once."""
+    assert P == 1
+    at_once = {label: _r_scaled(BAD_RANK, P, label, scaler_on) for label in DEFERRED}
+    _, deferred = _r_deferred(BAD_RANK, P, scaler_on)
+    return at_once, deferred
+
+
+@pytest.mark.parametrize("scaler_on", [True, False], ids=["grad_scaler", "no_scaler"])
+def test_nonfinite_gradient_on_one_rank_alone_deferred_or_at_once(clusters, scaler_on):
+    """P = 1 (a GPU's NCCL group of one): the deferred checks' row is made on the engine's thread, with no
+    collective; the outcome, the error and the weights are those of the checks that answer at once."""
+    (at_once, deferred), = clusters.get(1).run(_r_one_rank, scaler_on, timeout=240)
+    for label in DEFERRED:
+        a, d = at_once[label], deferred[label]
+        assert a["grad_finite"] == [s != BAD_STEP for s in range(STEPS)], (label, a["grad_finite"])
+        assert d["errors"] == a["errors"] and d["scale"] == a["scale"] and d["grad_finite"] == a["grad_finite"], label
+        assert len(a["errors"]) == (0 if scaler_on else 1), (label, a["errors"])
+        assert all(torch.equal(x, y) for x, y in zip(d["weights"], a["weights"])), label
+        assert torch.equal(a["weights"][BAD_STEP], a["weights"][BAD_STEP - 1]), f"{label}: the bad step applied"
 
 
 def _r_out_of_step(rank, P, name, options):
@@ -405,12 +431,14 @@ RIDES = ("gradient_allreduce", "fp16", "sign_error_feedback", "topk", "gtopk", "
 
 
 def _r_agreement_path(rank, P, deferred):
-    """Six steps of each algorithm, counting the agreements gathered after the buckets (``_gather_ints``) and
-    those posted with the last bucket (``_agreement_op``); ``deferred``: the checks left on the device
-    (BAGUA_LITE_DEFER_CHECKS=1), where this rank's row is known only after the buckets."""
-    from bagua_lite import agreement
-    counts = {"gathered": 0, "posted": 0}
+    """Six steps of each algorithm, counting the agreements gathered after the buckets (``_gather_ints``),
+    those posted with the last bucket (``_agreement_op``) and the host's reads of answers left on the device
+    (``bucket.host_read``: one host synchronisation each on a GPU), by where they are made; ``deferred``:
+    the checks left on the device (BAGUA_LITE_DEFER_CHECKS=1)."""
+    from bagua_lite import agreement, bucket
+    counts = {"gathered": 0, "posted": 0, "verdict reads": 0, "changed reads": 0, "on the training thread": 0}
     gather, post = agreement.RoundAgreement._gather_ints, agreement.RoundAgreement._agreement_op
+    read = bucket.host_read
 
     def counted_gather(self, *a, **k):
         counts["gathered"] += 1
@@ -420,18 +448,27 @@ def _r_agreement_path(rank, P, deferred):
         op = post(self, unused)
         counts["posted"] += op is not None
         return op
+
+    trainer = threading.get_ident()
+
+    def counted_read(where):
+        def host_read(t):
+            counts[where] += 1
+            counts["on the training thread"] += threading.get_ident() == trainer
+            return read(t)
+        return host_read
     agreement.RoundAgreement._gather_ints, agreement.RoundAgreement._agreement_op = counted_gather, counted_post
+    agreement.host_read, bucket.host_read = counted_read("verdict reads"), counted_read("changed reads")
     if deferred:
         os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
     try:
         out = {}
         for label in RIDES:
             name, options, kind = CASES[label]
-            counts.update(gathered=0, posted=0)
             net = _net()
             opt = _optimizer(kind, net)
             model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
-            counts.update(gathered=0)  # set-up's own checks are not a round's
+            counts.update({k: 0 for k in counts})  # set-up's own checks are not a round's
             for s in range(6):
                 x, y = _batch(rank, s)
                 F.cross_entropy(model(x), y).backward()
@@ -444,22 +481,39 @@ def _r_agreement_path(rank, P, deferred):
         return out
     finally:
         agreement.RoundAgreement._gather_ints, agreement.RoundAgreement._agreement_op = gather, post
+        agreement.host_read = bucket.host_read = read
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
-@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+# steps (of 6) whose .grad holds more than a gradient, so refuse_changed reads its answer once (Bucket.changed
+# compares on the bucket's device, the CPU's too):
+# topk/gtopk's momentum correction (SGD's momentum: on by default) every step, qadam's after its warm-up
+CHANGED_READS = {"topk": 6, "gtopk": 6, "qadam": 4}
+
+
+@pytest.mark.parametrize("P", (1, 2, 3), ids=lambda p: f"P{p}")
 def test_the_agreement_travels_with_the_last_bucket(clusters, P):
-    """Where the hooks' checks answer at once (CPU), every round's agreement is posted as the last bucket's
-    first op, overlapping that bucket's collectives, and no agreement is gathered after the buckets; with the
-    checks left on the device it is gathered after them. Both give the same weights, bit for bit, on
-    every rank (what the agreement decides does not depend on where it travels)."""
+    """Every round's agreement is posted as the last bucket's first op, overlapping that bucket's collectives,
+    and none is gathered after the buckets: where the hooks' checks answer at once (CPU), and where they
+    leave their answers on the device (GPU), whose flags the engine's thread then reads once per round as it
+    posts the agreement, so the training thread waits for none (refuse_changed reads once more, on the
+    training thread, where .grad holds more than a gradient). Both give the same weights, bit for bit, on
+    every rank (what the agreement decides does not depend on where it travels). One rank alone gathers
+    nothing, and where its checks stay on the device its row is made on the engine's thread all the same."""
     cluster = clusters.get(P)
-    riding, after = cluster.run(_r_agreement_path, False, timeout=240), cluster.run(_r_agreement_path, True)
+    at_once, deferred = cluster.run(_r_agreement_path, False, timeout=240), cluster.run(_r_agreement_path, True)
     for label in RIDES:
         for r in range(P):
-            (counts, buckets, w), (counts_after, _, w_after) = riding[r][label], after[r][label]
+            (counts, buckets, w), (counts_deferred, _, w_deferred) = at_once[r][label], deferred[r][label]
             assert buckets >= 2, (label, buckets)
-            assert counts == {"gathered": 0, "posted": 6}, (label, r, counts)
-            assert counts_after == {"gathered": 6, "posted": 0}, (label, r, counts_after)
-            assert torch.equal(w, w_after), f"{label}: rank {r}'s weights depend on where the agreement travels"
-            assert torch.equal(w, riding[0][label][2]), f"{label}: replicas differ"
+            changed = CHANGED_READS.get(label, 0)
+            # one rank alone: nothing to gather, the row is made where it is known (_gather_ints sends nothing)
+            at_once_path = {"gathered": 6, "posted": 0} if P == 1 else {"gathered": 0, "posted": 6}
+            assert counts == {**at_once_path, "verdict reads": 0, "changed reads": changed,
+                              "on the training thread": changed}, (label, r, counts)
+            # the flags are read on the engine's thread as the agreement is posted: the training thread reads
+            # none (refuse_changed's read is its own, in optimizer.step())
+            assert counts_deferred == {"gathered": 0, "posted": 6, "verdict reads": 6, "changed reads": changed,
+                                       "on the training thread": changed}, (label, r, counts_deferred)
+            assert torch.equal(w, w_deferred), f"{label}: rank {r}'s weights depend on where the agreement travels"
+            assert torch.equal(w, at_once[0][label][2]), f"{label}: replicas differ"
