@@ -352,6 +352,52 @@ def test_nonfinite_local_gradient_checked_on_the_device(clusters, scaler_on):
                 assert got["opt"] == want["opt"], (label, r)
 
 
+def _r_local_reads(rank, P):
+    """Six steps of each relaxation that keeps gradients local, with the checks left on the device,
+    counting the host's reads of their answers (``bucket.host_read``) and where they are made."""
+    from bagua_lite import step_hooks
+    read, trainer = step_hooks.host_read, threading.get_ident()
+    counts = {}
+
+    def counted(t):
+        where = "training thread" if threading.get_ident() == trainer else "other thread"
+        counts[where] = counts.get(where, 0) + 1
+        return read(t)
+    step_hooks.host_read = counted
+    os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    cases = dict(LOCAL_CASES, diloco=("diloco", {"period": 2}))
+    try:
+        out = {}
+        for label, (name, options) in cases.items():
+            net = _net()
+            opt = _optimizer("sgd", net)
+            model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+            counts.clear()
+            for s in range(6):
+                x, y = _batch(rank, s)
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[label] = dict(counts)
+            model.close()
+            if name == "async_model_average":
+                model.algorithm.average_now()  # collective: every rank must get here, in step
+        return out
+    finally:
+        step_hooks.host_read = read
+        del os.environ["BAGUA_LITE_DEFER_CHECKS"]
+
+
+def test_local_checks_left_on_the_device_are_read_once_per_step(clusters):
+    """Where gradients stay local (decentralized, local SGD, DiLoCo, async), the checks' one flag is read
+    once per step, at optimizer.step(), on the training thread: the refusal must come before the optimizer
+    applies (on a GPU, one host synchronisation per local step; a synchronous round's flags are read on
+    the engine's thread instead: test_the_agreement_travels_with_the_last_bucket)."""
+    for r, out in enumerate(clusters.get(2).run(_r_local_reads, timeout=240)):
+        for label, counts in out.items():
+            assert counts == {"training thread": 6}, (label, r, counts)
+
+
 class _Branchy(torch.nn.Module):
     def __init__(self):
         super().__init__()
