@@ -56,6 +56,29 @@ def test_step_benchmark_measures_every_row_it_is_given_against_plain_and_ddp(tmp
     assert bad.returncode != 0 and "unknown rows ['dpp']" in bad.stderr
 
 
+def test_step_benchmark_counts_syncs_in_all_and_on_the_training_thread():
+    """count_syncs (the GPU's syncs/step column): torch's sync warnings made in a step, on any thread (the
+    engine's reads the deferred flags) and on the calling one, the most of any step, and where they were
+    made; other warnings are not counted and the debug mode is set for the step only."""
+    import threading
+    import warnings
+    from bagua_lite.bench import gpu_step
+    modes, calls = [], []
+
+    def step():
+        calls.append(len(calls))
+        warnings.warn(f"{gpu_step.SYNC_WARNING} on the training thread")
+        warnings.warn("an unrelated warning")
+        others = 1 if len(calls) == 1 else 3  # the larger step is the one reported
+        t = threading.Thread(target=lambda: [warnings.warn(f"{gpu_step.SYNC_WARNING} elsewhere") for _ in range(others)])
+        t.start()
+        t.join()
+    got = gpu_step.count_syncs(step, steps=2, debug_mode=modes.append)
+    assert got["all"] == 4 and got["training thread"] == 1, got
+    assert modes == ["warn", "default", "warn", "default"] and len(calls) == 2
+    assert sum(n for _, n in got["sites"]) == 6 and all("test_bench_kernels.py" in s for s, _ in got["sites"]), got
+
+
 STEP_CONFIG = """
 mode: step
 device: cpu
