@@ -79,7 +79,8 @@ class RoundAgreement:
 
     #: the buckets' non-finite flags where the checks stay on the device (bucket.defer_nonfinite_checks)
     _nonfinite_flags = None
-    #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work, rows]
+    #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work (True: one rank's row,
+    #: made), rows]
     _posted = None
 
     def _check_same_config(self):
@@ -167,7 +168,7 @@ class RoundAgreement:
     def _round_values(self, unused, flags=True):
         """This rank's row of the agreement: first non-finite bucket (-1: none), step count, used-bit words.
         ``flags``: with the checks left on the device, read their flags too (one host read); False: the
-        row of what the host knows (the flags then travel in the device's own agreement)."""
+        row of what the host knows (:meth:`_agreement_op` reads the flags on the engine's thread)."""
         bad = set(self.algorithm.nonfinite_buckets)
         if flags and self._nonfinite_flags is not None:
             bad.update(i for i, v in enumerate(host_read(self._nonfinite_flags)) if v)
@@ -204,6 +205,7 @@ class RoundAgreement:
                     values[0] = min(flagged) if values[0] < 0 else min(values[0], *flagged)
             if pg is None:  # one rank: its row is the agreement
                 out.copy_(torch.tensor(values, dtype=torch.int64))
+                posted[0] = True
                 return
             posted[0] = _compat.all_gather_single(out, torch.tensor(values, dtype=torch.int64), group=pg,
                                                   async_op=True)
@@ -215,7 +217,9 @@ class RoundAgreement:
         if posted is None:
             return None
         work, out = posted
-        if work is None:
+        if work is None:  # the engine ran the round's buckets without it: a bug, never a guess at the rows
+            raise RuntimeError("bagua_lite: internal error: the round's agreement was not posted with its last bucket")
+        if work is True:
             return out.view(self.world_size, -1).tolist()
         try:
             if not work.is_completed():  # wait failing fast: a peer that failed after its buckets never posts it
