@@ -20,7 +20,7 @@ import time
 import warnings
 import weakref
 
-from . import runtime
+from . import _C, runtime
 from ._failfast import POLL_S
 
 
@@ -59,6 +59,7 @@ class Worker:
         self._jobs.put((job, events))
 
     def _serve(self):
+        _C.serial_intra_op_here()  # no OpenMP team beside the trainer's (csrc/common.h says why)
         while (item := self._jobs.get()) is not None:
             job, events = item
             try:

@@ -299,6 +299,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "worker is joined once it has left the op or collective it is in, waiting at most `seconds` in all. "
         "Returns how many workers are still running (left to the process's end).");
   m.def("_engines_created", &eng::Engine::created, "How many engines this process has made.");
+  m.def("serial_intra_op_here", &bl::serial_intra_op_here,
+        "Makes ATen's intra-op work on the calling thread serial (no OpenMP team of its own), as the engine's "
+        "thread runs: for a thread bagua_lite runs beside training. Only this thread's count changes.");
 
   // ---- traffic counters ----
   m.def("bytes_sent", [] { return bl::traffic().bytes_sent.load(); });

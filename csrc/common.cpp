@@ -1,5 +1,10 @@
 #include "common.h"
 
+#include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include <array>
 #include <map>
 
@@ -31,6 +36,13 @@ at::Tensor result_buffer(const std::optional<at::Tensor>& out, int64_t n, const 
            "` must be a ", opts.dtype(), " tensor on ", opts.device(), " (the result's), got ", o.scalar_type(),
            " on ", o.device());
   return o.numel() >= n ? o.view(-1).narrow(0, 0, n) : at::empty({n}, opts);
+}
+
+void serial_intra_op_here() {
+  at::get_num_threads();  // ATen's own set-up of this thread first: it would set the count back later
+#ifdef _OPENMP
+  omp_set_num_threads(1);  // this thread's count only; at::set_num_threads would also change the process's
+#endif
 }
 
 }  // namespace bagua_lite

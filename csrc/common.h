@@ -27,6 +27,14 @@ using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
 #define BL_MULTIVERSION
 #endif
 
+// Makes ATen's intra-op work on the calling thread serial, with no OpenMP team of its own: for the threads
+// bagua_lite runs beside training (the engine's, an algorithm's worker). A second team on a machine whose
+// cores the trainer's team already uses puts OpenMP's idle threads to sleep instead of spinning, and every
+// parallel op of the trainer then waits for its team to wake: its forward and backward ran 1.5-2x slower
+// from the first op the engine parallelized on (2 intra-op threads, 2 cores). Only this thread's count
+// changes (the process's, which threads started later inherit, stays the trainer's).
+void serial_intra_op_here();
+
 // ---- argument checks: every message names the function, the bad value and what is allowed ----------
 #define BL_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, __VA_ARGS__)
 

@@ -148,7 +148,7 @@ void Engine::submit(int64_t bucket_id, at::Tensor bucket, std::vector<OpPtr> ops
       ready.emplace(bucket.device().type());
       ready->record(impl.getStream(bucket.device()));  // the submitting thread's current stream
     }
-    queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops), at::get_num_threads(), std::move(ready)});
+    queue_.push_back(Task{bucket_id, std::move(bucket), std::move(ops), std::move(ready)});
     ++in_flight_;
   }
   cv_work_.notify_one();
@@ -221,21 +221,12 @@ void Engine::record_error(const Task& task, const Op& op) {
   }
 }
 
-namespace {
-// OpenMP thread counts are per thread: without this the worker would use the machine default (all
-// cores) even when the trainer asked for fewer, and oversubscribe the CPU.
-void use_threads(int n) {
-  if (at::get_num_threads() != n) at::set_num_threads(n);
-}
-}  // namespace
-
 std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
   const bool skip = [&] {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<bool>(error_) || cancelled_;
   }();
   if (skip) return nullptr;  // after an error, once abandoned or stopped for exit: the queue drains, nothing runs
-  use_threads(task.num_threads);
   std::optional<c10::StreamGuard> on_stream;
   if (task.ready) {
     auto stream = stream_for(task.bucket.device());
@@ -280,7 +271,6 @@ std::shared_ptr<Engine::Pending> Engine::run_task(Task& task) {
 }
 
 void Engine::finish_pending(Pending& p) {
-  use_threads(p.task.num_threads);
   std::optional<c10::StreamGuard> on_stream;
   if (p.task.ready) on_stream.emplace(*stream_for(p.task.bucket.device()));
   auto& op = *p.task.ops.back();
@@ -303,6 +293,7 @@ void Engine::task_done_locked(Task& task) {
 }
 
 void Engine::loop() {
+  serial_intra_op_here();
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     cv_work_.wait(lock, [this] {

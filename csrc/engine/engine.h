@@ -130,7 +130,6 @@ class Engine {
     int64_t bucket_id;
     at::Tensor bucket;
     std::vector<OpPtr> ops;
-    int num_threads;  // the submitting thread's intra-op thread count, applied on the worker
     std::optional<c10::Event> ready;  // device buckets on the engine's stream: the bucket is filled
   };
   // A bucket whose last op's collective is in flight (that op is task.ops.back()).
