@@ -11,7 +11,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
             self.ratio = ratio
 
         def bucket_ops(self, bucket):
-            # ops run, in order, on the engine thread when the bucket's gradients are ready
+            # run in order on the engine thread (one intra-op thread) once the bucket's gradients are ready
             return [lambda flat: flat.mul_(2), self.native.AllreduceOp(self.process_group, average=True)]
 
 The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
