@@ -199,10 +199,9 @@ class RoundAgreement:
         posted = self._posted = [None, out]
 
         def step_agreement(_flat):
-            if flags is not None:
-                flagged = [i for i, v in enumerate(host_read(flags)) if v]
-                if flagged:
-                    values[0] = min(flagged) if values[0] < 0 else min(values[0], *flagged)
+            if flags is not None:  # the first bad bucket of those the host knew and those flagged
+                known = [values[0]] if values[0] >= 0 else []
+                values[0] = min([i for i, v in enumerate(host_read(flags)) if v] + known, default=-1)
             if pg is None:  # one rank: its row is the agreement
                 out.copy_(torch.tensor(values, dtype=torch.int64))
                 posted[0] = True

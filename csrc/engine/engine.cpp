@@ -1,6 +1,5 @@
 #include "engine/engine.h"
 
-#include <ATen/Parallel.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
