@@ -153,6 +153,13 @@ class GradientAllReduce(Algorithm):
 
     step_dependent_wire = False  # the same buckets, sizes and collectives every step
 
+    @property
+    def verdict_in_result(self) -> bool:
+        """The dense sum (fp32, or cast to fp16) gives every rank the same result, inf/NaN wherever a rank's
+        gradient held one, and keeps no state: a GPU round's non-finite verdict stays on the device. The
+        codecs' guards zero a bad rank's bucket instead (quantizers reject NaN), and hierarchical's too."""
+        return not self.hierarchical and (self.compression == "none" or self._cast_allreduce())
+
     def _hierarchical_allreduce(self, flat):
         dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node
         if self.inter is not None:                                        # 2. leaders: sum across nodes

@@ -82,6 +82,8 @@ class RoundAgreement:
     #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work (True: one rank's row,
     #: made), rows]
     _posted = None
+    #: this round's non-finite verdict stays on the device, in its result (bagua_lite.verdict): no flag is read
+    _verdict_round = False
 
     def _check_same_config(self):
         """One all_gather of two digests: the algorithm's config and the module's parameter layout (names,
@@ -190,7 +192,7 @@ class RoundAgreement:
         joiners, run_collective) or one rank needs none: :meth:`_agree_after_round` then gathers after the
         buckets, else it waits for this one."""
         self._posted = None
-        flags = self._nonfinite_flags
+        flags = None if self._verdict_round else self._nonfinite_flags
         if self._elastic is not None or (self.world_size == 1 and flags is None):
             return None
         values = self._round_values(unused, flags=False)
@@ -239,7 +241,7 @@ class RoundAgreement:
         DDP, so weight decay and momentum leave them alone)? ``unused``: this rank's unused parameters."""
         rows = self._take_posted()
         if rows is None:
-            rows = self._gather_with_joiners(self._round_values(unused))
+            rows = self._gather_with_joiners(self._round_values(unused, flags=not self._verdict_round))
         firsts = [row[0] for row in rows]
         msg = self._out_of_step([row[1] for row in rows], "nothing was applied")
         if msg:
@@ -256,6 +258,8 @@ class RoundAgreement:
         ranks = [r for r, b in enumerate(firsts) if b >= 0]
         if not ranks:
             self.algorithm.commit_round()
+            if self._verdict_round:  # left on the device, for optimizer.step() to hand over
+                self._verdict.pending = True
             return
         self.algorithm.kept_state.roll_back()
         with torch.no_grad():

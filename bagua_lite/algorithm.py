@@ -52,7 +52,7 @@ synchronise them per step to time it, and ranks may take different numbers of st
 ranks then compare step counts before any bucket travels); ``cycle`` (steps after which its communication
 pattern repeats: 1 for most, a periodic relaxation's period; the benchmark times whole cycles);
 ``on_shards`` (it runs across the replicas of an FSDP2-sharded model, :class:`bagua_lite.ShardedModel`) and
-``check_shards(optimizer)`` (what it refuses there, raised before any traffic);
+``check_shards(optimizer)`` (what it refuses there, raised before any traffic); ``verdict_in_result`` (below);
 ``traffic(options, P, bucket_numels, ...)``, a classmethod describing what it moves, so that the cost model
 predicts it and auto can pick it.
 
@@ -89,10 +89,9 @@ classmethod ``predicted_as`` (the cost model predicts what it would run).
                            peer (async averaging)
 ``shared_state_dict()`` / ``load_shared_state_dict()``  what a joiner takes from rank 0 (default: ``step`` and
                            the state registered with ``shared=True``)
-``model.membership``       the membership as such an algorithm sees it
-                           (:class:`bagua_lite.elastic.MembershipView`: joining, generation, member id, a
-                           step being discarded, gather_ints, share_state, admitting joiners); None without
-                           fault tolerance
+``model.membership``       the membership as such an algorithm sees it (:class:`bagua_lite.elastic.MembershipView`:
+                           joining, generation, member id, a step being discarded, gather_ints, share_state,
+                           admitting joiners); None without fault tolerance
 """
 import functools
 import inspect
@@ -121,13 +120,12 @@ class Algorithm:
     #: can carry on with the survivors when a peer is lost (``DistributedModel(..., fault_tolerant=True)``):
     #: its per-rank state stays consistent when the group shrinks, and :meth:`regroup` forgets the rest
     supports_membership_change: bool = False
-    #: the ranks' weights differ by design (decentralized): a worker joining a fault-tolerant job starts from
-    #: rank 0's weights while every member keeps its own
+    #: the ranks' weights differ by design (decentralized): a joiner starts from rank 0's, each member keeps its own
     replicas_differ: bool = False
-    #: with ``fault_tolerant=True``, for an algorithm with no collective of all ranks in its steps (the
-    #: step agreement that carries the news of a waiting joiner elsewhere): how many steps ahead of rank 0's
-    #: step count the members admit joiners, more than any member can be ahead of rank 0 (each learns the
-    #: admission step from the store, which it looks at once per step); None: admitted by the agreement
+    #: with ``fault_tolerant=True``, for an algorithm with no collective of all ranks in its steps (where the
+    #: step agreement carries a joiner's news): how many steps ahead of rank 0's count members admit joiners,
+    #: more than any member can be ahead of it (each reads the admission step from the store once per step);
+    #: None: admitted by the agreement
     store_admission_margin = None
     #: communicates in ``after_step`` (local SGD, DiLoCo, decentralized): a peer lost there keeps that step's
     #: update and the survivors are brought together by :meth:`heal` instead of discarding a round
@@ -136,6 +134,8 @@ class Algorithm:
     admits_joiners: bool = True
     #: runs across the replicas of an FSDP2-sharded model (ShardedModel: a bucket per unit, params the shards)
     on_shards: bool = False
+    #: a round's result is equal on every rank, inf/NaN where any rank's gradient was, and no state changes in it
+    verdict_in_result: bool = False
 
     def __init__(self):
         self.step = 0

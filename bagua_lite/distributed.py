@@ -32,6 +32,7 @@ from .config import algorithm_from
 from .scheduler import Scheduler
 from .services import Services
 from .step_hooks import StepHooks
+from .verdict import ResultVerdict
 from .wrappable import check_wrappable
 
 
@@ -207,6 +208,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         self._nonfinite_flags = defer_nonfinite_checks(self.buckets)  # None: the hooks' checks answer at once
         self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
         self._local_unread = []
+        self._verdict = None if self._nonfinite_flags is None else ResultVerdict(self.buckets)
         self._index = {p: i for i, p in enumerate(self.params)}
         self._used_words = max(1, -(-len(self.params) // agreement.BITS))
         self._slot = {}  # param -> (bucket index, position)
@@ -382,6 +384,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 self._elastic.close()
             if not self._engine_abandoned:
                 self._engine.shutdown()
+            if self._verdict is not None:  # a step a fused optimizer skipped that no forward since reported
+                self._verdict.warn_unreported(lambda step: self._result_error(step, late=True))
 
     def algorithm_state_dict(self) -> dict:
         """The algorithm's state (residuals, momenta, counters); after a switch (auto's pick), the configured

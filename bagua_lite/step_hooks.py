@@ -9,6 +9,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
 from .bucket import host_read
+from .verdict import scaler_set_found_inf
 from ._failfast import PeerFailedError
 
 _LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
@@ -64,6 +65,8 @@ class StepHooks:
     #: last read, in hook order
     _local_flag = None
     _local_unread = ()
+    #: where checks stay on the device: the verdict read off a round's result (bagua_lite.verdict), else None
+    _verdict = None
 
     def _read_local_flag(self):
         """The deferred local checks, read once: on inf/NaN, the first parameter in hook order that holds it."""
@@ -83,6 +86,7 @@ class StepHooks:
     def _before_step(self, optimizer, args, kwargs):
         """The optimizer's step pre-hook, the only one: a closure first (it runs forward and backward, as
         in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``."""
+        self._raise_skipped_on_device()
         closure, args, kwargs = take_closure(optimizer, args, kwargs)
         if closure is not None:
             with torch.enable_grad():
@@ -101,8 +105,8 @@ class StepHooks:
         if self._elastic is not None and self._elastic.pending is not None:
             raise self._elastic.take_pending()  # the step in flight was discarded on every survivor
         self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
-        if self._nonfinite_error is not None:
-            raise FloatingPointError(self._nonfinite_error)
+        if self._nonfinite_error is not None and not scaler_set_found_inf(optimizer, self._verdict):
+            raise FloatingPointError(self._nonfinite_error)  # (a GradScaler's found_inf skips on the device)
         self._read_local_flag()
         if self._local_bad is not None:
             name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
@@ -118,6 +122,9 @@ class StepHooks:
                 f"since (this is rank {self.rank}, step {self.algorithm.step}, {self.algorithm.name}): its "
                 f"gradients are this rank's own and the replicas would drift apart. Run the last micro-batch's "
                 f"backward outside no_sync(), as with DDP")
+        if self._verdict is not None:  # the last refusal: a fused optimizer may take it, skipping on the device
+            self._verdict.hand_over(optimizer, self.grad_scaler, self.algorithm.step,
+                                    lambda: self._result_error(self.algorithm.step))
         self._algorithm_hook(self.algorithm.before_step)
         return (args, kwargs) if closure is not None else None
 
@@ -125,12 +132,31 @@ class StepHooks:
         """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
         it still counts, as a step that moved nothing, so this rank's schedule (exchanges, periodic
         averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint."""
+        self._raise_skipped_on_device()
         self._read_local_flag()
         if self._local_bad is not None:
             self._local_bad = None
             self._after_step()
 
+    def _result_error(self, step, late=False):
+        what = (f"the fused {type(self.optimizer).__name__} skipped that step on the device on every rank (weights "
+                f"and optimizer state are as before it); this error comes a step late, as the verdict stayed on "
+                f"the device" if late else "optimizer.step() refuses to apply it on every rank")
+        return (f"bagua_lite: non-finite gradient (inf or NaN) at step {step}: the averaged "
+                f"gradient held inf/NaN on every rank (some rank's gradient did); {what} (this is rank {self.rank}). "
+                f"A loss scaler (torch.amp.GradScaler) skips such steps without this error. Look for what produced "
+                f"the inf/NaN: learning rate, loss, inputs")
+
+    def _raise_skipped_on_device(self):
+        """A step the fused optimizer skipped on the device for a non-finite result (bagua_lite.verdict):
+        raise its error now, once."""
+        step = None if self._verdict is None else self._verdict.skipped_step()
+        if step is not None:
+            raise FloatingPointError(self._result_error(step, late=True))
+
     def _after_step(self):
+        if self._verdict is not None:
+            self._verdict.clear()
         self._local_bad = None
         self._unsynced = False
         self.algorithm.step += 1

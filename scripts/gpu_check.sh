@@ -62,7 +62,7 @@ timeout 300 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --m
   2>&1 | tee "$OUT/step.txt" || rc=$?
 # the engine's own stream (opt-in until measured): the same step, DDP and our dense and fp16 rows beside it
 BAGUA_LITE_ENGINE_STREAM=1 timeout 200 "$PY" -m bagua_lite.bench.gpu_step --device "$device" $step_args --models gpt \
-  --rows "plain,ddp,gradient_allreduce,gradient_allreduce fp16,topk 0.001" --json "$OUT/step_engine_stream.json" \
+  --rows "plain,ddp,gradient_allreduce,gradient_allreduce fp16,topk 0.001,ddp fused,gradient_allreduce fused" --json "$OUT/step_engine_stream.json" \
   2>&1 | tee "$OUT/step_engine_stream.txt" || rc=$?
 # the step table projected to GPU clusters (8-256 GPUs, 1-100 Gbit/s between nodes; docs/cost_model.md)
 "$PY" -m bagua_lite.bench.project_gpu --step "$OUT/step.json" > "$OUT/projection.txt" 2>&1 || rc=$?

@@ -8,14 +8,16 @@
 At P = 1 nothing travels, so what a row costs over the plain loop is the wrapper's own work: hooks, copies
 into buckets, codecs, selection, the engine's handoff. The reference model is a GPT-style decoder (12 layers x
 768, vocabulary 8192, 512 tokens, batch 8: 91.7M parameters), bf16 autocast on a GPU, SGD with momentum (Adam
-for qadam); ``--models gpt,resnet18`` adds the zoo's ResNet-18 (CIFAR size, batch 128). ``--small``: a 2-layer
-GPT and ResNet-18 at batch 4, for the CPU. Per row: the median ms of a step (from before forward to the device being idle), the median
-ms until the host is back from ``optimizer.step()`` (close to the step's time when the host waits for the
-device inside a step), the host synchronisations one step makes as ``torch.cuda.set_sync_debug_mode("warn")``
-reports them (``count_syncs``): in all and on the training thread (a sync that Python code on the engine's
-thread makes, such as the read of the deferred checks' flags, is counted in all; one inside the C++ core's own
-calls is printed by torch, not counted), with the Python lines that made them, the peak memory, and the bytes bagua_lite's counter says a step sends (0 at P = 1, where
-nothing travels; none for the plain loop and DDP, which it does not see). No assertion on time.
+for qadam; the rows named "... fused" with ``fused=True``, where a dense row's non-finite verdict stays on the
+device); ``--models gpt,resnet18`` adds the zoo's ResNet-18 (CIFAR size, batch 128). ``--small``: a 2-layer
+GPT and ResNet-18 at batch 4, for the CPU. Per row: the median ms of a step (from before forward to the device
+being idle), the median ms until the host is back from ``optimizer.step()`` (close to the step's time when the
+host waits for the device inside a step), the host synchronisations one step makes as
+``torch.cuda.set_sync_debug_mode("warn")`` reports them (``count_syncs``): in all and on the training thread (a
+sync that Python code on the engine's thread makes, such as the read of the deferred checks' flags, is counted
+in all; one inside the C++ core's own calls is printed by torch, not counted), with the Python lines that made
+them, the peak memory, and the bytes bagua_lite's counter says a step sends (0 at P = 1, where nothing
+travels; none for the plain loop and DDP, which it does not see). No assertion on time.
 
 A config of ``mode: step`` (``configs/benchmark_gpu.yaml``) runs this through ``python -m bagua_lite.bench``;
 its keys are ``STEP_KEYS``, each the option of the same name.
@@ -58,6 +60,10 @@ ROWS = {
     "local_sgd period 8": ("local_sgd", {"period": 8}),
     "diloco period 8": ("diloco", {"period": 8}),
 }
+#: the same rows with a fused optimizer (``fused=True``: it skips a step on the device when told to), where a
+#: dense row's non-finite verdict stays on the device (bagua_lite.verdict): row -> the row it repeats
+FUSED = {f"{row} fused": row for row in ("plain", "ddp", "gradient_allreduce", "gradient_allreduce fp16")}
+ROWS.update({row: ROWS[base] for row, base in FUSED.items()})
 
 
 MODELS = ("gpt", "resnet18")
@@ -129,8 +135,9 @@ def measure(row, dev, args, model_name="gpt"):
     kind, options = ROWS[row]
     torch.manual_seed(0)
     net, x, y, classes = _workload(model_name, dev, args.small)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-4) if kind == "qadam" else \
-        torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    fused = row in FUSED
+    opt = torch.optim.Adam(net.parameters(), lr=1e-4, fused=fused) if kind == "qadam" else \
+        torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9, fused=fused)
     if kind == "plain":
         model, closing = net, None
     elif kind == "ddp":

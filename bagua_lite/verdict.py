@@ -1,0 +1,131 @@
+"""The non-finite verdict of a round read off its result on the device, with no host synchronisation.
+
+Where the checks stay on the device (a GPU), a round's inf/NaN verdict is normally read on the host once,
+on the engine's thread, so that ``optimizer.step()`` can refuse the round before anything is applied. For
+an algorithm whose round result is the same on every rank and holds inf/NaN wherever any rank's gradient
+did, and that keeps no state a round changes (``Algorithm.verdict_in_result``: dense averaging, in fp32 or
+cast to fp16), the result itself is the agreed verdict: every rank can tell it from its own copy, so
+nothing has to be read or sent. It is then left on the device and handed to what refuses the step there:
+
+- a ``torch.amp.GradScaler`` driving the step: its own check of ``.grad`` sees the non-finite result (the
+  scaler's one read per step, as under DDP; none with a fused optimizer, whose ``found_inf`` it sets);
+- a fused optimizer (``fused=True``) without one: the verdict becomes the optimizer's ``found_inf``, so it
+  skips the step on the device on every rank, and the ``FloatingPointError`` a refused round raises comes
+  one step late, at the next training forward (or ``optimizer.step()``), read from a copy that is complete
+  by then;
+- otherwise (a step made without the scaler it was checked for) the verdict is read at ``optimizer.step()``
+  and the round refused there.
+
+Each bucket's last op sums its result in float64 (finite gradients cannot overflow it; any inf or NaN makes
+the sum non-finite): one read of the bucket on the engine's stream, no per-step allocation.
+"""
+import warnings
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from .bucket import host_read
+
+
+def skips_on_device(optimizer) -> bool:
+    """Whether ``optimizer`` skips a step on the device when given ``found_inf`` (torch's fused optimizers)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and \
+        all(g.get("fused") for g in optimizer.param_groups)
+
+
+def scaler_checked(scaler, optimizer) -> bool:
+    """Whether ``scaler``'s ``unscale_`` checked ``optimizer``'s gradients this step (its ``step()`` calls
+    ``optimizer.step()`` only where that check found none)."""
+    if scaler is None or not scaler.is_enabled():
+        return False
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    return state is not None and state.get("stage") is OptState.UNSCALED
+
+
+def scaler_set_found_inf(optimizer, verdict=None) -> bool:
+    """Whether a GradScaler gave ``optimizer`` (a fused one) its ``found_inf`` for this step: the scaler
+    checked ``.grad`` and the optimizer skips on the device where it found inf/NaN."""
+    found = getattr(optimizer, "found_inf", None)
+    return found is not None and skips_on_device(optimizer) and (verdict is None or found is not verdict.found_inf)
+
+
+class ResultVerdict:
+    """A model's verdict on its rounds' results (one float64 sum per bucket), and the one a fused optimizer
+    took on the device, to report a step late."""
+
+    def __init__(self, buckets):
+        device = buckets[0].device
+        self.sums = torch.zeros(len(buckets), dtype=torch.float64, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)  # what a fused optimizer reads
+        self.pending = False  # this round's verdict is on the device, for optimizer.step() to hand over
+        self._late = None  # (host copy, event or None, step): a verdict a fused optimizer applied
+        self._set_on = None  # the optimizer whose found_inf is ours during its step
+
+    @staticmethod
+    def wanted(algorithm, optimizer, scaled: bool) -> bool:
+        """Whether a round's verdict stays on the device (the checks deferred, no fault tolerance): an
+        algorithm whose result is the verdict, and something that refuses on the device (``scaled``: a
+        GradScaler's round, or a fused optimizer)."""
+        return bool(getattr(algorithm, "verdict_in_result", False)) and (scaled or skips_on_device(optimizer))
+
+    def op(self, index: int):
+        """The bucket's last op: its result's sum, in float64, into ``sums[index]``."""
+        out = self.sums[index]
+
+        def result_sum(flat):
+            torch.sum(flat, 0, dtype=torch.float64, out=out)
+        return result_sum
+
+    def hand_over(self, optimizer, scaler, step: int, error) -> None:
+        """At ``optimizer.step()`` of a round whose verdict stayed on the device: leave it to the scaler that
+        checked ``.grad``, give it to a fused optimizer as ``found_inf``, or else read it and raise
+        ``FloatingPointError(error())`` if the result held inf/NaN."""
+        self.clear()
+        if not self.pending:
+            return
+        self.pending = False
+        if scaler_set_found_inf(optimizer, self):
+            return  # a GradScaler set it for a fused optimizer: its check of .grad skips on the device
+        if scaler_checked(scaler, optimizer):
+            return  # the scaler's unscale_ checked .grad, and its step() steps only where it found none
+        if skips_on_device(optimizer):
+            torch.logical_not(torch.isfinite(self.sums.sum()), out=self.found_inf)
+            optimizer.found_inf, self._set_on = self.found_inf, optimizer
+            self._late = self._copy_for_later(), step
+            return
+        if not torch.isfinite(torch.tensor(host_read(self.sums))).all():
+            raise FloatingPointError(error())
+
+    def clear(self) -> None:
+        """Take back the ``found_inf`` given for a step (after it, or before the next)."""
+        if self._set_on is not None:
+            if getattr(self._set_on, "found_inf", None) is self.found_inf:
+                del self._set_on.found_inf
+            self._set_on = None
+
+    def _copy_for_later(self):
+        if self.found_inf.device.type != "cuda":
+            return self.found_inf.clone(), None
+        host = torch.empty((), dtype=torch.float32, pin_memory=True)
+        host.copy_(self.found_inf, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def skipped_step(self):
+        """The step count of the last step a fused optimizer skipped on the device for this verdict, or None
+        (read from the copy made at that step: complete by now, or waited for, not synchronised with the
+        device's later work)."""
+        if self._late is None:
+            return None
+        (host, event), step = self._late
+        self._late = None
+        if event is not None:
+            event.synchronize()
+        return step if float(host) != 0.0 else None
+
+    def warn_unreported(self, error) -> None:
+        """At close: a step skipped on the device that no later forward reported, as a warning."""
+        step = self.skipped_step()
+        if step is not None:
+            warnings.warn(error(step), RuntimeWarning, stacklevel=3)

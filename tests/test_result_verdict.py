@@ -1,0 +1,177 @@
+"""A round's non-finite verdict read off its result on the device (bagua_lite.verdict), with no host read.
+
+Where the checks stay on the device (a GPU; here the CPU with BAGUA_LITE_DEFER_CHECKS=1), dense averaging
+(gradient_allreduce with no codec or fp16) under a GradScaler or with a fused optimizer leaves its verdict
+in the result: nothing reads it (``bucket.host_read`` is counted), and training is bit for bit what the
+checks that answer at once give: the bad step skipped on every rank, the same scales, the same weights
+after it. A fused optimizer without a scaler skips the step on the device and the error comes one step
+late, at the next training forward.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite.algorithms import build
+
+BAD_STEP, BAD_RANK, STEPS = 3, 1, 7
+CODECS = {"dense": {}, "fp16": {"compression": "fp16"}}
+# (fused optimizer, GradScaler): the drivers that refuse a bad round on the device
+DRIVERS = {"scaler": (False, True), "fused": (True, False), "fused_scaler": (True, True)}
+
+
+def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True):
+    """STEPS steps of a small MLP under bf16 autocast, rank BAD_RANK's loss (P = 1: rank 0's) times inf at
+    BAD_STEP; a FloatingPointError from the step or (a step late) from the forward is recorded and the loop goes on, a
+    forward's error retrying the same batch. Counts host reads of answers left on the device."""
+    from bagua_lite import agreement, bucket, verdict
+    reads = []
+    read = bucket.host_read
+    agreement.host_read = bucket.host_read = verdict.host_read = lambda t: reads.append(1) or read(t)
+    if deferred:
+        os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                  torch.nn.Linear(32, 5))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
+        model = bagua_lite.DistributedModel(net, opt, build("gradient_allreduce", **CODECS[codec]),
+                                            bucket_size_mb=0.002, grad_scaler=scaler)
+        out = {"weights": [], "errors": [], "scale": [], "rounds_on_device": 0, "reads": 0, "buckets": 0}
+        s = 0
+        while s < STEPS:
+            g = torch.Generator().manual_seed(rank * 7919 + s * 31 + 5)
+            x = torch.randn(16, 12, generator=g)
+            try:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), (x[:, :5] * 3).argmax(1))
+            except FloatingPointError as e:
+                out["errors"].append(("forward", s, str(e)))
+                continue
+            if s == BAD_STEP and rank == min(BAD_RANK, P - 1):
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler else loss).backward()
+            out["rounds_on_device"] += model._verdict_round
+            try:
+                if scaler and step_with_scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                    out["scale"].append(float(scaler.get_scale()))
+                else:
+                    opt.step()
+            except FloatingPointError as e:
+                out["errors"].append(("step", s, str(e)))
+            opt.zero_grad()
+            out["weights"].append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
+            s += 1
+        out["reads"], out["buckets"] = len(reads), len(model.buckets)
+        out["found_inf_left"] = hasattr(opt, "found_inf")
+        model.close()
+        return out
+    finally:
+        agreement.host_read = bucket.host_read = verdict.host_read = read
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+
+
+def _r_both(rank, P, driver):
+    fused, scaler_on = DRIVERS[driver]
+    return {codec: (_run(rank, P, codec, fused, scaler_on, False), _run(rank, P, codec, fused, scaler_on, True))
+            for codec in CODECS}
+
+
+@pytest.mark.parametrize("P", (1, 2, 3), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("driver", list(DRIVERS))
+def test_verdict_stays_in_the_result(clusters, P, driver):
+    fused, scaler_on = DRIVERS[driver]
+    res = clusters.get(P).run(_r_both, driver, timeout=240)
+    for codec in CODECS:
+        for r in range(P):
+            at_once, device = res[r][codec]
+            assert device["buckets"] >= 2, device["buckets"]
+            # every round's verdict stayed on the device and nothing read it; at once nothing is left to read
+            assert device["rounds_on_device"] == STEPS and device["reads"] == 0, (codec, r, device["reads"])
+            assert at_once["rounds_on_device"] == 0 and at_once["reads"] == 0
+            assert not device["found_inf_left"] and not at_once["found_inf_left"]
+            for s in range(STEPS):  # bit for bit the weights the checks that answer at once give
+                assert torch.equal(device["weights"][s], at_once["weights"][s]), (codec, driver, r, s)
+                assert torch.equal(device["weights"][s], res[0][codec][1]["weights"][s]), "replicas differ"
+            assert device["scale"] == at_once["scale"]
+            assert all(torch.isfinite(w).all() for w in device["weights"]), (codec, driver, r)
+            # the bad step moved nothing, and training went on
+            assert torch.equal(device["weights"][BAD_STEP], device["weights"][BAD_STEP - 1])
+            assert not torch.equal(device["weights"][-1], device["weights"][BAD_STEP])
+            if scaler_on:  # the scaler skips (a fused optimizer: on the device, by the found_inf it sets)
+                assert at_once["errors"] == device["errors"] == [], (codec, driver, r, device["errors"])
+                assert device["scale"][BAD_STEP] < device["scale"][BAD_STEP - 1]
+            else:  # at once: step() refuses; on the device: skipped there, the error at the next forward
+                assert [e[:2] for e in at_once["errors"]] == [("step", BAD_STEP)], at_once["errors"]
+                assert [e[:2] for e in device["errors"]] == [("forward", BAD_STEP + 1)], device["errors"]
+                msg = device["errors"][0][2]
+                assert f"at step {BAD_STEP}:" in msg and "skipped that step on the device" in msg, msg
+
+
+def _r_bypass(rank, P):
+    """A GradScaler given to the model, then optimizer.step() called without it: the verdict is read."""
+    return _run(rank, P, "dense", False, True, True, step_with_scaler=False)
+
+
+@pytest.mark.parametrize("P", (1, 3), ids=lambda p: f"P{p}")
+def test_a_step_without_its_scaler_reads_the_verdict(clusters, P):
+    """Nothing checked this round's ``.grad`` but the model: it reads the verdict at optimizer.step() (one
+    read per step, made by the training thread) and refuses the bad round there."""
+    for r, out in enumerate(clusters.get(P).run(_r_bypass, timeout=240)):
+        assert out["reads"] == STEPS, (r, out["reads"])
+        assert all(torch.isfinite(w).all() for w in out["weights"]), r
+        assert [e[:2] for e in out["errors"]] == [("step", BAD_STEP)], out["errors"]
+        assert torch.equal(out["weights"][BAD_STEP], out["weights"][BAD_STEP - 1])
+        assert "refuses to apply it on every rank" in out["errors"][0][2]
+
+
+def _r_not_eligible(rank, P):
+    """A codec whose guard zeroes a bad bucket (minmax_uint8), with a fused optimizer: its verdict is read."""
+    os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+        model = bagua_lite.DistributedModel(net, opt, build("gradient_allreduce", compression="minmax_uint8"))
+        net(torch.ones(3, 4)).sum().backward()
+        on_device = model._verdict_round
+        opt.step()
+        model.close()
+        return on_device, model.algorithm.verdict_in_result, build("gradient_allreduce").verdict_in_result
+    finally:
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+
+
+def test_only_results_that_carry_the_verdict_keep_it_on_the_device(clusters):
+    for out in clusters.get(2).run(_r_not_eligible, timeout=120):
+        assert out == (False, False, True), out
+
+
+def _r_last_step_bad(rank, P):
+    """A fused optimizer's skip on the device in the last step, with no forward after it: close() warns."""
+    import warnings
+    os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+        model = bagua_lite.DistributedModel(net, opt, "gradient_allreduce")
+        before = net.weight.detach().clone()
+        (model(torch.ones(3, 4)).sum() * (float("inf") if rank == P - 1 else 1.0)).backward()
+        opt.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.close()
+        return torch.equal(net.weight, before), [str(w.message) for w in caught if w.category is RuntimeWarning]
+    finally:
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+
+
+def test_a_skip_no_forward_reported_warns_at_close(clusters):
+    for unchanged, warned in clusters.get(2).run(_r_last_step_bad, timeout=120):
+        assert unchanged
+        assert len(warned) == 1 and "at step 0:" in warned[0] and "skipped that step on the device" in warned[0], warned
