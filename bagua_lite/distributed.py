@@ -385,7 +385,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             if not self._engine_abandoned:
                 self._engine.shutdown()
             if self._verdict is not None:  # a step a fused optimizer skipped that no forward since reported
-                self._verdict.warn_unreported(lambda step: self._result_error(step, late=True))
+                self._verdict.warn_unreported(lambda step, local: self._result_error(step, local, late=True))
 
     def algorithm_state_dict(self) -> dict:
         """The algorithm's state (residuals, momenta, counters); after a switch (auto's pick), the configured

@@ -86,6 +86,8 @@ class StepHooks:
     def _before_step(self, optimizer, args, kwargs):
         """The optimizer's step pre-hook, the only one: a closure first (it runs forward and backward, as
         in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``."""
+        if self._verdict is not None:
+            self._verdict.clear()  # a found_inf left by a step that raised after its pre-hook
         self._raise_skipped_on_device()
         closure, args, kwargs = take_closure(optimizer, args, kwargs)
         if closure is not None:
@@ -107,8 +109,11 @@ class StepHooks:
         self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None and not scaler_set_found_inf(optimizer, self._verdict):
             raise FloatingPointError(self._nonfinite_error)  # (a GradScaler's found_inf skips on the device)
+        if self._local_unread and self._verdict is not None and self._verdict.hand_over_local(
+                optimizer, self.grad_scaler, self._local_flag, self.algorithm.step):
+            self._local_unread = []  # left to the scaler's check, or to a fused optimizer's found_inf
         self._read_local_flag()
-        if self._local_bad is not None:
+        if self._local_bad is not None and not scaler_set_found_inf(optimizer, self._verdict):
             name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
             raise FloatingPointError(
                 f"bagua_lite: non-finite gradient (inf or NaN) on rank {self.rank} at step {self.algorithm.step}, "
@@ -138,7 +143,14 @@ class StepHooks:
             self._local_bad = None
             self._after_step()
 
-    def _result_error(self, step, late=False):
+    def _result_error(self, step, local=False, late=False):
+        if local:
+            return (f"bagua_lite: non-finite gradient (inf or NaN) on rank {self.rank} at step {step}. Under "
+                    f"{self.algorithm.name} gradients stay local, so only this rank skipped the step, on the device "
+                    f"(the fused {type(self.optimizer).__name__}'s found_inf): its weights are unchanged and the step "
+                    f"counted, so the ranks stay in step. This error comes a step late, as the check stayed on the "
+                    f"device; a loss scaler (torch.amp.GradScaler) skips such steps without it. Look for what "
+                    f"produced the inf/NaN: learning rate, loss, inputs")
         what = (f"the fused {type(self.optimizer).__name__} skipped that step on the device on every rank (weights "
                 f"and optimizer state are as before it); this error comes a step late, as the verdict stayed on "
                 f"the device" if late else "optimizer.step() refuses to apply it on every rank")
@@ -150,9 +162,9 @@ class StepHooks:
     def _raise_skipped_on_device(self):
         """A step the fused optimizer skipped on the device for a non-finite result (bagua_lite.verdict):
         raise its error now, once."""
-        step = None if self._verdict is None else self._verdict.skipped_step()
-        if step is not None:
-            raise FloatingPointError(self._result_error(step, late=True))
+        skipped = None if self._verdict is None else self._verdict.skipped_step()
+        if skipped is not None:
+            raise FloatingPointError(self._result_error(*skipped, late=True))
 
     def _after_step(self):
         if self._verdict is not None:

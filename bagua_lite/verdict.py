@@ -58,7 +58,7 @@ class ResultVerdict:
         self.sums = torch.zeros(len(buckets), dtype=torch.float64, device=device)
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)  # what a fused optimizer reads
         self.pending = False  # this round's verdict is on the device, for optimizer.step() to hand over
-        self._late = None  # (host copy, event or None, step): a verdict a fused optimizer applied
+        self._late = None  # ((host copy, event or None), step, local): a verdict a fused optimizer applied
         self._set_on = None  # the optimizer whose found_inf is ours during its step
 
     @staticmethod
@@ -80,7 +80,6 @@ class ResultVerdict:
         """At ``optimizer.step()`` of a round whose verdict stayed on the device: leave it to the scaler that
         checked ``.grad``, give it to a fused optimizer as ``found_inf``, or else read it and raise
         ``FloatingPointError(error())`` if the result held inf/NaN."""
-        self.clear()
         if not self.pending:
             return
         self.pending = False
@@ -91,13 +90,29 @@ class ResultVerdict:
         if skips_on_device(optimizer):
             torch.logical_not(torch.isfinite(self.sums.sum()), out=self.found_inf)
             optimizer.found_inf, self._set_on = self.found_inf, optimizer
-            self._late = self._copy_for_later(), step
+            self._late = self._copy_for_later(), step, False
             return
         if not torch.isfinite(torch.tensor(host_read(self.sums))).all():
             raise FloatingPointError(error())
 
+    def hand_over_local(self, optimizer, scaler, flag, step: int) -> bool:
+        """At ``optimizer.step()`` after a local round (gradients that stay on this rank, checked into the
+        one-int ``flag`` on the device; only this rank skips a bad one): whether it is handled without a read.
+        The scaler that checked ``.grad`` covers it; a fused optimizer takes the flag as ``found_inf`` (skipped
+        on the device, the error a step late). The flag is cleared on the device for the next round."""
+        if scaler_set_found_inf(optimizer, self) or scaler_checked(scaler, optimizer):
+            flag.zero_()
+            return True
+        if not skips_on_device(optimizer):
+            return False
+        torch.ne(flag[0], 0, out=self.found_inf)
+        flag.zero_()
+        optimizer.found_inf, self._set_on = self.found_inf, optimizer
+        self._late = self._copy_for_later(), step, True
+        return True
+
     def clear(self) -> None:
-        """Take back the ``found_inf`` given for a step (after it, or before the next)."""
+        """Take back the ``found_inf`` given for a step (after it, or at the next one's start)."""
         if self._set_on is not None:
             if getattr(self._set_on, "found_inf", None) is self.found_inf:
                 del self._set_on.found_inf
@@ -113,19 +128,19 @@ class ResultVerdict:
         return host, event
 
     def skipped_step(self):
-        """The step count of the last step a fused optimizer skipped on the device for this verdict, or None
-        (read from the copy made at that step: complete by now, or waited for, not synchronised with the
-        device's later work)."""
+        """(step count, local) of the last step a fused optimizer skipped on the device for this verdict, or
+        None (read from the copy made at that step: complete by now, or waited for, not synchronised with
+        the device's later work)."""
         if self._late is None:
             return None
-        (host, event), step = self._late
+        (host, event), step, local = self._late
         self._late = None
         if event is not None:
             event.synchronize()
-        return step if float(host) != 0.0 else None
+        return (step, local) if float(host) != 0.0 else None
 
     def warn_unreported(self, error) -> None:
         """At close: a step skipped on the device that no later forward reported, as a warning."""
-        step = self.skipped_step()
-        if step is not None:
-            warnings.warn(error(step), RuntimeWarning, stacklevel=3)
+        skipped = self.skipped_step()
+        if skipped is not None:
+            warnings.warn(error(*skipped), RuntimeWarning, stacklevel=3)

@@ -17,7 +17,10 @@ import bagua_lite
 from bagua_lite.algorithms import build
 
 BAD_STEP, BAD_RANK, STEPS = 3, 1, 7
-CODECS = {"dense": {}, "fp16": {"compression": "fp16"}}
+CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"compression": "fp16"})}
+# relaxations whose gradients stay local: only the bad rank skips, through its scaler or its fused optimizer
+LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
+         "decentralized": ("decentralized", {})}
 # (fused optimizer, GradScaler): the drivers that refuse a bad round on the device
 DRIVERS = {"scaler": (False, True), "fused": (True, False), "fused_scaler": (True, True)}
 
@@ -26,10 +29,11 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True):
     """STEPS steps of a small MLP under bf16 autocast, rank BAD_RANK's loss (P = 1: rank 0's) times inf at
     BAD_STEP; a FloatingPointError from the step or (a step late) from the forward is recorded and the loop goes on, a
     forward's error retrying the same batch. Counts host reads of answers left on the device."""
-    from bagua_lite import agreement, bucket, verdict
+    from bagua_lite import agreement, bucket, step_hooks, verdict
     reads = []
     read = bucket.host_read
-    agreement.host_read = bucket.host_read = verdict.host_read = lambda t: reads.append(1) or read(t)
+    agreement.host_read = bucket.host_read = verdict.host_read = step_hooks.host_read = \
+        lambda t: reads.append(1) or read(t)
     if deferred:
         os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
     try:
@@ -38,8 +42,9 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True):
                                   torch.nn.Linear(32, 5))
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=fused)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
-        model = bagua_lite.DistributedModel(net, opt, build("gradient_allreduce", **CODECS[codec]),
-                                            bucket_size_mb=0.002, grad_scaler=scaler)
+        name, options = {**CODECS, **LOCAL}[codec]
+        model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002,
+                                            grad_scaler=scaler)
         out = {"weights": [], "errors": [], "scale": [], "rounds_on_device": 0, "reads": 0, "buckets": 0}
         s = 0
         while s < STEPS:
@@ -68,11 +73,11 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True):
             out["weights"].append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
             s += 1
         out["reads"], out["buckets"] = len(reads), len(model.buckets)
-        out["found_inf_left"] = hasattr(opt, "found_inf")
+        out["found_inf_left"], out["steps"] = hasattr(opt, "found_inf"), model.algorithm.step
         model.close()
         return out
     finally:
-        agreement.host_read = bucket.host_read = verdict.host_read = read
+        agreement.host_read = bucket.host_read = verdict.host_read = step_hooks.host_read = read
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
@@ -111,6 +116,43 @@ def test_verdict_stays_in_the_result(clusters, P, driver):
                 assert [e[:2] for e in device["errors"]] == [("forward", BAD_STEP + 1)], device["errors"]
                 msg = device["errors"][0][2]
                 assert f"at step {BAD_STEP}:" in msg and "skipped that step on the device" in msg, msg
+
+
+def _r_local(rank, P, driver):
+    fused, scaler_on = DRIVERS[driver]
+    return {label: (_run(rank, P, label, fused, scaler_on, False), _run(rank, P, label, fused, scaler_on, True))
+            for label in LOCAL}
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("driver", list(DRIVERS))
+def test_local_checks_go_to_the_scaler_or_the_fused_optimizer(clusters, P, driver):
+    """Gradients that stay local (local SGD, DiLoCo, decentralized), checked on the device: the scaler's check
+    or the fused optimizer's found_inf skips the bad rank's step with no read of the check (one, at the
+    next forward, where a non-fused optimizer's scaler skipped a step, to count it), bit for bit as the
+    checks that answer at once; without a scaler the error comes at the next forward, on the bad rank."""
+    fused, scaler_on = DRIVERS[driver]
+    res = clusters.get(P).run(_r_local, driver, timeout=240)
+    for label in LOCAL:
+        for r in range(P):
+            at_once, device = res[r][label]
+            bad = r == min(BAD_RANK, P - 1)
+            assert device["reads"] == (1 if bad and not fused else 0), (label, driver, r, device["reads"])
+            assert not device["found_inf_left"] and device["steps"] == at_once["steps"] == STEPS
+            for s in range(STEPS):
+                # a refused step counts at the next forward (its after_step, an average, then runs there), a step
+                # skipped on the device counts at once: the weights as recorded after the bad step may differ
+                if not (bad and s == BAD_STEP and not scaler_on):
+                    assert torch.equal(device["weights"][s], at_once["weights"][s]), (label, driver, r, s)
+            assert device["scale"] == at_once["scale"]
+            assert all(torch.isfinite(w).all() for w in device["weights"]), (label, driver, r)
+            if scaler_on or not bad:
+                assert at_once["errors"] == device["errors"] == [], (label, driver, r, device["errors"])
+            else:
+                assert [e[:2] for e in at_once["errors"]] == [("step", BAD_STEP)], at_once["errors"]
+                assert [e[:2] for e in device["errors"]] == [("forward", BAD_STEP + 1)], device["errors"]
+                msg = device["errors"][0][2]
+                assert f"on rank {r} at step {BAD_STEP}." in msg and "only this rank skipped" in msg, msg
 
 
 def _r_bypass(rank, P):

@@ -1,8 +1,9 @@
-"""Dense averaging whose non-finite verdict stays in its result (bagua_lite.verdict) on the device: with a fused
-optimizer, with or without a GradScaler, a step makes no host synchronisation on any thread (counted with
-``torch.cuda.set_sync_debug_mode("warn")``, as ``bench.gpu_step`` counts them), and a non-finite gradient on
-one rank is still skipped on every rank: the weights across the bad step are bit for bit those before it,
-the scaler's scale falls, and without a scaler the error comes at the next forward. NCCL at P = 1, gloo with
+"""Dense averaging whose non-finite verdict stays in its result (bagua_lite.verdict) on the device, and local
+steps (local SGD, DiLoCo) whose checks stay there: with a fused optimizer, with or without a GradScaler, a
+step makes no host synchronisation on any thread (counted with ``torch.cuda.set_sync_debug_mode("warn")``, as
+``bench.gpu_step`` counts them), and a non-finite gradient on one rank is still skipped (dense: on every rank;
+local: on that rank alone): the weights across the bad step are bit for bit those before it, the scaler's
+scale falls, and without a scaler the error comes at the next forward. NCCL at P = 1, gloo with
 CUDA tensors at P = 2. With the CPU standing in, the same run with BAGUA_LITE_DEFER_CHECKS=1 (no count).
 """
 import os
@@ -14,7 +15,10 @@ import torch.nn.functional as F
 from gpu_device import DEVICE, serve_rows, spawn_ranks
 
 BAD_STEP, STEPS = 5, 8  # steps 2 and 3 are counted, 4 on recorded
-CASES = {f"{codec} {driver}": (codec, driver) for codec in ("dense", "fp16") for driver in ("fused", "fused+scaler")}
+ALGORITHMS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"compression": "fp16"}),
+              "local_sgd": ("local_sgd", {"period": 1000}), "diloco": ("diloco", {"period": 1000})}
+LOCAL = ("local_sgd", "diloco")  # gradients stay local: only the bad rank skips (no average in these steps)
+CASES = {f"{a} {driver}": (a, driver) for a in ALGORITHMS for driver in ("fused", "fused+scaler")}
 BACKENDS = [("nccl", 1), ("gloo", 2)] if DEVICE == "cuda" else [("gloo", 1), ("gloo", 2)]
 
 
@@ -30,8 +34,8 @@ def _case(dev, name):
                               torch.nn.Linear(256, 10)).to(dev)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=True)
     scaler = torch.amp.GradScaler(dev.type, init_scale=2.0 ** 8) if driver == "fused+scaler" else None
-    options = {"compression": "fp16"} if codec == "fp16" else {}
-    model = bagua_lite.DistributedModel(net, opt, build("gradient_allreduce", **options), bucket_size_mb=0.1,
+    algorithm, options = ALGORITHMS[codec]
+    model = bagua_lite.DistributedModel(net, opt, build(algorithm, **options), bucket_size_mb=0.1,
                                         grad_scaler=scaler)
     state = {"s": 0, "errors": [], "weights": {}, "scales": {}}
 
@@ -89,17 +93,21 @@ def test_verdict_on_the_device_makes_no_host_synchronisation(dev, record, backen
                    note=next(o for o in outs if isinstance(o, str)).strip().splitlines()[-1][:200])
             ok_all = False
             continue
-        o = outs[0]
+        local = CASES[name][0] in LOCAL
+        o = outs[P - 1]  # the bad rank
         w, i = o["weights"], BAD_STEP  # w[k]: after step k
         skipped = (w[i] == w[i - 1]).all() and not (w[STEPS - 1] == w[i]).all()
-        replicas = all((x["weights"][STEPS - 1] == w[STEPS - 1]).all() for x in outs)
+        replicas = local or all((x["weights"][STEPS - 1] == w[STEPS - 1]).all() for x in outs)
         if CASES[name][1] == "fused":
             reported = [e[:2] for e in o["errors"]] == [("forward", BAD_STEP + 1)]
         else:
             reported = o["errors"] == [] and o["scales"][i] < o["scales"][i - 1]
+        if local:  # the others trained on, untouched
+            reported &= all(x["errors"] == [] and not (x["weights"][i] == x["weights"][i - 1]).all()
+                            for x in outs[:-1])
         syncs = [x["syncs"] for x in outs]
         none = all(s is None or s["all"] == 0 for s in syncs)
-        ok = bool(o["on_device"] and skipped and replicas and reported and none)
+        ok = bool((o["on_device"] or local) and skipped and replicas and reported and none)
         ok_all &= ok
         note = "syncs/step: " + ("n/a (CPU)" if syncs[0] is None else
                                  ", ".join(f"{s['all']} {s['sites']}" for s in syncs))
