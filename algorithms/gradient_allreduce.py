@@ -28,6 +28,10 @@ from bagua_lite._options import int_at_least
 from bagua_lite.algorithm import Algorithm, register
 
 
+#: codecs that cast (no error feedback, no scale): a NaN or inf goes through them, and through their sums, as is
+CASTS = ("bf16",)
+
+
 @register("gradient_allreduce")
 class GradientAllReduce(Algorithm):
     def __init__(self, compression: str = "none", hierarchical: bool = False, ranks_per_node: int = 0):
@@ -144,8 +148,12 @@ class GradientAllReduce(Algorithm):
             reject NaN; the round is discarded on every rank anyway)."""
             if bucket.nonfinite_seen(self.nonfinite_buckets):
                 flat.zero_()
-        if self.compressor.native:
-            return [guard, self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)]
+        op = self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual) \
+            if self.compressor.native else None
+        if self.compression in CASTS:  # it carries inf/NaN as they are: the result holds the verdict
+            return [op]
+        if op is not None:
+            return [guard, op]
 
         def compressed_allreduce(flat):  # a user's Python compressor
             comm.compressed_allreduce(flat, self.compressor, group=self.process_group, residual=residual)
@@ -157,8 +165,10 @@ class GradientAllReduce(Algorithm):
     def verdict_in_result(self) -> bool:
         """The dense sum (fp32, or cast to fp16) gives every rank the same result, inf/NaN wherever a rank's
         gradient held one, and keeps no state: a GPU round's non-finite verdict stays on the device. The
-        codecs' guards zero a bad rank's bucket instead (quantizers reject NaN), and hierarchical's too."""
-        return not self.hierarchical and (self.compression == "none" or self._cast_allreduce())
+        codecs' guards zero a bad rank's bucket instead (quantizers reject NaN), and hierarchical's too; bf16
+        casts, so its compressed allreduce carries inf/NaN as fp16's allreduce does."""
+        return not self.hierarchical and (self.compression == "none" or self._cast_allreduce()
+                                          or self.compression in CASTS)
 
     def _hierarchical_allreduce(self, flat):
         dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node

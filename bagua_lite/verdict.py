@@ -4,7 +4,7 @@ Where the checks stay on the device (a GPU), a round's inf/NaN verdict is normal
 on the engine's thread, so that ``optimizer.step()`` can refuse the round before anything is applied. For
 an algorithm whose round result is the same on every rank and holds inf/NaN wherever any rank's gradient
 did, and that keeps no state a round changes (``Algorithm.verdict_in_result``: dense averaging, in fp32 or
-cast to fp16), the result itself is the agreed verdict: every rank can tell it from its own copy, so
+cast to fp16 or bf16), the result itself is the agreed verdict: every rank can tell it from its own copy, so
 nothing has to be read or sent. It is then left on the device and handed to what refuses the step there:
 
 - a ``torch.amp.GradScaler`` driving the step: its own check of ``.grad`` sees the non-finite result (the

@@ -24,6 +24,7 @@ BAD_STEP, BAD_RANK, STEPS = 3, 1, 6
 CASES = {
     "gradient_allreduce": ("gradient_allreduce", {}, "sgd"),
     "fp16": ("gradient_allreduce", {"compression": "fp16"}, "sgd"),
+    "bf16": ("gradient_allreduce", {"compression": "bf16"}, "sgd"),  # no guard: inf/NaN travel as they are
     "bytegrad": ("gradient_allreduce", {"compression": "minmax_uint8"}, "sgd"),
     "sign_error_feedback": ("gradient_allreduce", {"compression": "sign"}, "sgd"),
     "hierarchical": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2}, "sgd"),
@@ -169,7 +170,7 @@ def test_nonfinite_gradient_on_one_rank(clusters, P, scaler_on):
 
 # the algorithms whose gradients go into their buckets through Bucket.fill, or into topk/gtopk's error
 # feedback: on a GPU their checks stay there
-DEFERRED = ("gradient_allreduce", "fp16", "bytegrad", "sign_error_feedback", "hierarchical", "powersgd", "qadam",
+DEFERRED = ("gradient_allreduce", "fp16", "bf16", "bytegrad", "sign_error_feedback", "hierarchical", "powersgd", "qadam",
             "async_warmup", "topk", "topk_momentum_correction", "gtopk")
 
 

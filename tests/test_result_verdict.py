@@ -17,7 +17,8 @@ import bagua_lite
 from bagua_lite.algorithms import build
 
 BAD_STEP, BAD_RANK, STEPS = 3, 1, 7
-CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"compression": "fp16"})}
+CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"compression": "fp16"}),
+          "bf16": ("gradient_allreduce", {"compression": "bf16"})}
 # relaxations whose gradients stay local: only the bad rank skips, through its scaler or its fused optimizer
 LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
          "decentralized": ("decentralized", {})}
