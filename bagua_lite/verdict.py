@@ -16,8 +16,10 @@ nothing has to be read or sent. It is then left on the device and handed to what
 - otherwise (a step made without the scaler it was checked for) the verdict is read at ``optimizer.step()``
   and the round refused there.
 
-Each bucket's last op sums its result in float64 (finite gradients cannot overflow it; any inf or NaN makes
-the sum non-finite): one read of the bucket on the engine's stream, no per-step allocation.
+Each bucket's last op takes its result's minimum and maximum in one pass (``torch.aminmax``: NaN propagates,
+an inf is an extreme, finite values cannot overflow, unlike a sum): one read of the bucket on the engine's
+stream, into a row kept per bucket, no per-step allocation. (A float64 sum would be as exact but 20x slower
+on a CPU, which converts element by element.)
 """
 import warnings
 
@@ -50,12 +52,17 @@ def scaler_set_found_inf(optimizer, verdict=None) -> bool:
 
 
 class ResultVerdict:
-    """A model's verdict on its rounds' results (one float64 sum per bucket), and the one a fused optimizer
+    """A model's verdict on its rounds' results ((min, max) per bucket), and the one a fused optimizer
     took on the device, to report a step late."""
 
     def __init__(self, buckets):
         device = buckets[0].device
-        self.sums = torch.zeros(len(buckets), dtype=torch.float64, device=device)
+        by_dtype = {}
+        for b in buckets:
+            by_dtype.setdefault(b.dtype, []).append(b.index)
+        #: per bucket dtype, a (min, max) row per bucket of its result (a bucket with no element stays at 0)
+        self.extremes = [torch.zeros(len(ix), 2, dtype=dtype, device=device) for dtype, ix in by_dtype.items()]
+        self._row = {i: t[r] for t, ix in zip(self.extremes, by_dtype.values()) for r, i in enumerate(ix)}
         self.found_inf = torch.zeros((), dtype=torch.float32, device=device)  # what a fused optimizer reads
         self.pending = False  # this round's verdict is on the device, for optimizer.step() to hand over
         self._late = None  # ((host copy, event or None), step, local): a verdict a fused optimizer applied
@@ -69,12 +76,17 @@ class ResultVerdict:
         return bool(getattr(algorithm, "verdict_in_result", False)) and (scaled or skips_on_device(optimizer))
 
     def op(self, index: int):
-        """The bucket's last op: its result's sum, in float64, into ``sums[index]``."""
-        out = self.sums[index]
+        """The bucket's last op: its result's (min, max) into its row."""
+        row = self._row[index]
 
-        def result_sum(flat):
-            torch.sum(flat, 0, dtype=torch.float64, out=out)
-        return result_sum
+        def result_extremes(flat):
+            if flat.numel():
+                torch.aminmax(flat, out=(row[0], row[1]))
+        return result_extremes
+
+    def _finite(self) -> torch.Tensor:
+        """On the device: whether every result held finite values only (a 0-d bool)."""
+        return torch.stack([torch.isfinite(t).all() for t in self.extremes]).all()
 
     def hand_over(self, optimizer, scaler, step: int, error) -> None:
         """At ``optimizer.step()`` of a round whose verdict stayed on the device: leave it to the scaler that
@@ -88,11 +100,11 @@ class ResultVerdict:
         if scaler_checked(scaler, optimizer):
             return  # the scaler's unscale_ checked .grad, and its step() steps only where it found none
         if skips_on_device(optimizer):
-            torch.logical_not(torch.isfinite(self.sums.sum()), out=self.found_inf)
+            torch.logical_not(self._finite(), out=self.found_inf)
             optimizer.found_inf, self._set_on = self.found_inf, optimizer
             self._late = self._copy_for_later(), step, False
             return
-        if not torch.isfinite(torch.tensor(host_read(self.sums))).all():
+        if not host_read(self._finite())[0]:
             raise FloatingPointError(error())
 
     def hand_over_local(self, optimizer, scaler, flag, step: int) -> bool:
