@@ -13,14 +13,15 @@ nothing has to be read or sent. It is then left on the device and handed to what
   skips the step on the device on every rank, and the ``FloatingPointError`` a refused round raises comes
   one step late, at the next training forward (or ``optimizer.step()``), read from a copy that is complete
   by then;
-- otherwise (a step made without the scaler it was checked for) the verdict is read at ``optimizer.step()``
-  and the round refused there.
+- otherwise (a step the scaler does not make itself: a plain ``optimizer.step()``, even after its
+  ``unscale_``) the verdict is read at ``optimizer.step()`` and the round refused there.
 
 Each bucket's last op takes its result's minimum and maximum in one pass (``torch.aminmax``: NaN propagates,
 an inf is an extreme, finite values cannot overflow, unlike a sum): one read of the bucket on the engine's
 stream, into a row kept per bucket, no per-step allocation. (A float64 sum would be as exact but 20x slower
 on a CPU, which converts element by element.)
 """
+import sys
 import warnings
 
 import torch
@@ -36,12 +37,24 @@ def skips_on_device(optimizer) -> bool:
 
 
 def scaler_checked(scaler, optimizer) -> bool:
-    """Whether ``scaler``'s ``unscale_`` checked ``optimizer``'s gradients this step (its ``step()`` calls
-    ``optimizer.step()`` only where that check found none)."""
+    """Whether ``scaler``'s ``unscale_`` checked ``optimizer``'s gradients this step and this is its ``step()``
+    calling ``optimizer.step()``, which it does only where that check found none (``unscale_`` followed by a
+    plain ``optimizer.step()`` is not: that step is the model's to refuse)."""
     if scaler is None or not scaler.is_enabled():
         return False
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-    return state is not None and state.get("stage") is OptState.UNSCALED
+    return state is not None and state.get("stage") is OptState.UNSCALED and _inside_step_of(scaler)
+
+
+def _inside_step_of(scaler) -> bool:
+    frame = sys._getframe(2)
+    for _ in range(16):  # the optimizer's step, its hooks' wrapper, ours: a few frames up
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "step" and frame.f_locals.get("self") is scaler:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def scaler_set_found_inf(optimizer, verdict=None) -> bool:

@@ -26,7 +26,7 @@ LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"perio
 DRIVERS = {"scaler": (False, True), "fused": (True, False), "fused_scaler": (True, True)}
 
 
-def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True):
+def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True, unscale_first=False):
     """STEPS steps of a small MLP under bf16 autocast, rank BAD_RANK's loss (P = 1: rank 0's) times inf at
     BAD_STEP; a FloatingPointError from the step or (a step late) from the forward is recorded and the loop goes on, a
     forward's error retrying the same batch. Counts host reads of answers left on the device."""
@@ -66,6 +66,12 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True):
                     scaler.step(opt)
                     scaler.update()
                     out["scale"].append(float(scaler.get_scale()))
+                elif scaler and unscale_first:  # the scaler's check, then a step it does not gate
+                    scaler.unscale_(opt)
+                    try:
+                        opt.step()
+                    finally:
+                        scaler.update()
                 else:
                     opt.step()
             except FloatingPointError as e:
@@ -156,21 +162,29 @@ def test_local_checks_go_to_the_scaler_or_the_fused_optimizer(clusters, P, drive
                 assert f"on rank {r} at step {BAD_STEP}." in msg and "only this rank skipped" in msg, msg
 
 
-def _r_bypass(rank, P):
-    """A GradScaler given to the model, then optimizer.step() called without it: the verdict is read."""
-    return _run(rank, P, "dense", False, True, True, step_with_scaler=False)
+def _r_bypass(rank, P, unscale_first):
+    """A GradScaler given to the model, then optimizer.step() called without it (after the scaler's unscale_,
+    or not): the verdict is read."""
+    return {label: _run(rank, P, label, False, True, True, step_with_scaler=False, unscale_first=unscale_first)
+            for label in ("dense", "local_sgd")}
 
 
 @pytest.mark.parametrize("P", (1, 3), ids=lambda p: f"P{p}")
-def test_a_step_without_its_scaler_reads_the_verdict(clusters, P):
-    """Nothing checked this round's ``.grad`` but the model: it reads the verdict at optimizer.step() (one
-    read per step, made by the training thread) and refuses the bad round there."""
-    for r, out in enumerate(clusters.get(P).run(_r_bypass, timeout=240)):
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["plain_step", "unscale_then_plain_step"])
+def test_a_step_without_its_scaler_reads_the_verdict(clusters, P, unscale_first):
+    """Nothing gates this step but the model (the scaler's unscale_ checked .grad, but a step its own step()
+    does not make is not held back by it): the model reads the verdict, or the local flag, at
+    optimizer.step() (one read per step, on the training thread) and refuses the bad round there."""
+    for r, outs in enumerate(clusters.get(P).run(_r_bypass, unscale_first, timeout=240)):
+        out = outs["dense"]
         assert out["reads"] == STEPS, (r, out["reads"])
         assert all(torch.isfinite(w).all() for w in out["weights"]), r
         assert [e[:2] for e in out["errors"]] == [("step", BAD_STEP)], out["errors"]
         assert torch.equal(out["weights"][BAD_STEP], out["weights"][BAD_STEP - 1])
         assert "refuses to apply it on every rank" in out["errors"][0][2]
+        local, bad = outs["local_sgd"], r == min(BAD_RANK, P - 1)
+        assert local["reads"] == STEPS and all(torch.isfinite(w).all() for w in local["weights"]), r
+        assert [e[:2] for e in local["errors"]] == ([("step", BAD_STEP)] if bad else []), local["errors"]
 
 
 def _r_not_eligible(rank, P):
