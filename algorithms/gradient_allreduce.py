@@ -162,13 +162,16 @@ class GradientAllReduce(Algorithm):
     step_dependent_wire = False  # the same buckets, sizes and collectives every step
 
     @property
-    def verdict_in_result(self) -> bool:
-        """The dense sum (fp32, or cast to fp16) gives every rank the same result, inf/NaN wherever a rank's
-        gradient held one, and keeps no state: a GPU round's non-finite verdict stays on the device. The
-        codecs' guards zero a bad rank's bucket instead (quantizers reject NaN), and hierarchical's too; bf16
-        casts, so its compressed allreduce carries inf/NaN as fp16's allreduce does."""
-        return not self.hierarchical and (self.compression == "none" or self._cast_allreduce()
-                                          or self.compression in CASTS)
+    def device_verdict(self) -> str:
+        """Dense sums (fp32, or cast to fp16 or bf16) give every rank the same result, inf/NaN wherever a rank's
+        gradient held one: "result". The other codecs without error feedback (ByteGrad) and hierarchical keep
+        no state either, but a bad rank's bucket is zeroed (quantizers reject NaN): "flags". A residual: ""."""
+        if self.compressor is not None and self.compressor.error_feedback:
+            return ""
+        if not self.hierarchical and (self.compression == "none" or self._cast_allreduce()
+                                      or self.compression in CASTS):
+            return "result"
+        return "flags"
 
     def _hierarchical_allreduce(self, flat):
         dist.reduce(flat, dst=self.leader, group=self.intra)             # 1. sum inside the node

@@ -52,7 +52,7 @@ synchronise them per step to time it, and ranks may take different numbers of st
 ranks then compare step counts before any bucket travels); ``cycle`` (steps after which its communication
 pattern repeats: 1 for most, a periodic relaxation's period; the benchmark times whole cycles);
 ``on_shards`` (it runs across the replicas of an FSDP2-sharded model, :class:`bagua_lite.ShardedModel`) and
-``check_shards(optimizer)`` (what it refuses there, raised before any traffic); ``verdict_in_result`` (below);
+``check_shards(optimizer)`` (what it refuses there, raised before any traffic); ``device_verdict`` (below);
 ``traffic(options, P, bucket_numels, ...)``, a classmethod describing what it moves, so that the cost model
 predicts it and auto can pick it.
 
@@ -130,12 +130,12 @@ class Algorithm:
     #: communicates in ``after_step`` (local SGD, DiLoCo, decentralized): a peer lost there keeps that step's
     #: update and the survivors are brought together by :meth:`heal` instead of discarding a round
     heals_itself: bool = False
-    #: whether workers waiting to join may be admitted now (auto says no while it probes)
-    admits_joiners: bool = True
+    admits_joiners: bool = True  # whether workers waiting to join may be admitted now (auto says no while it probes)
     #: runs across the replicas of an FSDP2-sharded model (ShardedModel: a bucket per unit, params the shards)
     on_shards: bool = False
-    #: a round's result is equal on every rank, inf/NaN where any rank's gradient was, and no state changes in it
-    verdict_in_result: bool = False
+    #: how a GPU round's non-finite verdict may stay on the device (bagua_lite.verdict): "result" (equal on every
+    #: rank, inf/NaN where any rank's gradient was), "flags" (no state changes in a round), "" (read on the host)
+    device_verdict: str = ""
 
     def __init__(self):
         self.step = 0

@@ -101,10 +101,8 @@ class Scheduler:
                 self._engine.submit(-1, self._no_tensor, [self._step_count_check])
             self._backward_active = True
             self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
-            self._verdict_round = self._verdict is not None and self._elastic is None and self._verdict.wanted(
+            self._verdict_round = self._verdict is not None and self._elastic is None and self._verdict.begin_round(
                 self.algorithm, self.optimizer, self._round_scales is not None)
-            if self._verdict is not None:
-                self._verdict.pending = False  # a round that never reached optimizer.step() is over
             self._nonfinite_error = None
             self.algorithm.nonfinite_buckets.clear()
             if self._nonfinite_flags is not None:
@@ -138,8 +136,8 @@ class Scheduler:
                 self._ready[self._next_bucket] == len(self.buckets[self._next_bucket].params):
             b = self.buckets[self._next_bucket]
             ops = self._scaled(b.ops)
-            if self._verdict_round:  # the result's verdict stays on the device (bagua_lite.verdict)
-                ops = list(ops) + [self._verdict.op(b.index)]
+            if self._verdict_round:  # the round's verdict stays on the device (bagua_lite.verdict)
+                ops = list(ops) + self._verdict.ops(b.index, b.index == len(self.buckets) - 1, self.process_group)
             if b.index == len(self.buckets) - 1:
                 post = self._agreement_op(unused)
                 ops = ops if post is None else [post] + list(ops)

@@ -1,11 +1,19 @@
 """The non-finite verdict of a round read off its result on the device, with no host synchronisation.
 
 Where the checks stay on the device (a GPU), a round's inf/NaN verdict is normally read on the host once,
-on the engine's thread, so that ``optimizer.step()`` can refuse the round before anything is applied. For
-an algorithm whose round result is the same on every rank and holds inf/NaN wherever any rank's gradient
-did, and that keeps no state a round changes (``Algorithm.verdict_in_result``: dense averaging, in fp32 or
-cast to fp16 or bf16), the result itself is the agreed verdict: every rank can tell it from its own copy, so
-nothing has to be read or sent. It is then left on the device and handed to what refuses the step there:
+on the engine's thread, so that ``optimizer.step()`` can refuse the round before anything is applied and
+the algorithm's state can be put back. An algorithm whose rounds change no state needs neither
+(``Algorithm.device_verdict``):
+
+- ``"result"``: its round's result is the same on every rank and holds inf/NaN wherever any rank's
+  gradient did (dense averaging, in fp32 or cast to fp16 or bf16), so the result itself is the agreed
+  verdict: each bucket's last op takes its (min, max) in one pass (``torch.aminmax``: NaN propagates, an inf
+  is an extreme, finite values cannot overflow, unlike a sum), into a row kept per bucket; nothing is sent;
+- ``"flags"``: the buckets' flags are MAX-allreduced on the model's group after the last bucket (on the
+  device: NCCL's stream), and the first element of bucket 0 is set to NaN where they say so, so that a
+  loss scaler's check of ``.grad`` sees it (ByteGrad, hierarchical: a bad rank's bucket travels as zeros).
+
+The verdict is then left on the device and handed to what refuses the step there:
 
 - a ``torch.amp.GradScaler`` driving the step: its own check of ``.grad`` sees the non-finite result (the
   scaler's one read per step, as under DDP; none with a fused optimizer, whose ``found_inf`` it sets);
@@ -16,15 +24,14 @@ nothing has to be read or sent. It is then left on the device and handed to what
 - otherwise (a step the scaler does not make itself: a plain ``optimizer.step()``, even after its
   ``unscale_``) the verdict is read at ``optimizer.step()`` and the round refused there.
 
-Each bucket's last op takes its result's minimum and maximum in one pass (``torch.aminmax``: NaN propagates,
-an inf is an extreme, finite values cannot overflow, unlike a sum): one read of the bucket on the engine's
-stream, into a row kept per bucket, no per-step allocation. (A float64 sum would be as exact but 20x slower
-on a CPU, which converts element by element.)
+No per-step allocation proportional to the model. (A float64 sum of the result would be as exact as its
+(min, max) but 20x slower on a CPU, which converts element by element.)
 """
 import sys
 import warnings
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from .bucket import host_read
@@ -68,8 +75,10 @@ class ResultVerdict:
     """A model's verdict on its rounds' results ((min, max) per bucket), and the one a fused optimizer
     took on the device, to report a step late."""
 
-    def __init__(self, buckets):
+    def __init__(self, buckets, flags):
         device = buckets[0].device
+        self.flags, self._first = flags, buckets[0].flat[:1]
+        self.kind = ""  # this round's: "result", "flags" or "" (read on the host)
         by_dtype = {}
         for b in buckets:
             by_dtype.setdefault(b.dtype, []).append(b.index)
@@ -81,24 +90,39 @@ class ResultVerdict:
         self._late = None  # ((host copy, event or None), step, local): a verdict a fused optimizer applied
         self._set_on = None  # the optimizer whose found_inf is ours during its step
 
-    @staticmethod
-    def wanted(algorithm, optimizer, scaled: bool) -> bool:
-        """Whether a round's verdict stays on the device (the checks deferred, no fault tolerance): an
-        algorithm whose result is the verdict, and something that refuses on the device (``scaled``: a
+    def begin_round(self, algorithm, optimizer, scaled: bool) -> bool:
+        """Whether this round's verdict stays on the device (the checks deferred, no fault tolerance): an
+        algorithm that allows it (``device_verdict``), and something that refuses on the device (``scaled``: a
         GradScaler's round, or a fused optimizer)."""
-        return bool(getattr(algorithm, "verdict_in_result", False)) and (scaled or skips_on_device(optimizer))
+        kind = getattr(algorithm, "device_verdict", "")
+        self.kind = kind if kind in ("result", "flags") and (scaled or skips_on_device(optimizer)) else ""
+        self.pending = False  # a round that never reached optimizer.step() is over
+        return bool(self.kind)
 
-    def op(self, index: int):
-        """The bucket's last op: its result's (min, max) into its row."""
-        row = self._row[index]
+    def ops(self, index: int, last: bool, group):
+        """The bucket's ops after its own: "result": its (min, max) into its row; "flags", after the last
+        bucket: the flags agreed over ``group`` (MAX), and bucket 0's first element NaN where they say so."""
+        if self.kind == "result":
+            row = self._row[index]
 
-        def result_extremes(flat):
-            if flat.numel():
-                torch.aminmax(flat, out=(row[0], row[1]))
-        return result_extremes
+            def result_extremes(flat):
+                if flat.numel():
+                    torch.aminmax(flat, out=(row[0], row[1]))
+            return [result_extremes]
+        if self.kind != "flags" or not last:
+            return []
+        flags, first = self.flags, self._first
+
+        def agreed_flags(_flat):
+            if group is not None and group.size() > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            first.masked_fill_(flags.amax() != 0, float("nan"))
+        return [agreed_flags]
 
     def _finite(self) -> torch.Tensor:
-        """On the device: whether every result held finite values only (a 0-d bool)."""
+        """On the device: whether this round was free of inf/NaN on every rank (a 0-d bool)."""
+        if self.kind == "flags":
+            return (self.flags == 0).all()
         return torch.stack([torch.isfinite(t).all() for t in self.extremes]).all()
 
     def hand_over(self, optimizer, scaler, step: int, error) -> None:

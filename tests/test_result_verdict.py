@@ -18,7 +18,10 @@ from bagua_lite.algorithms import build
 
 BAD_STEP, BAD_RANK, STEPS = 3, 1, 7
 CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"compression": "fp16"}),
-          "bf16": ("gradient_allreduce", {"compression": "bf16"})}
+          "bf16": ("gradient_allreduce", {"compression": "bf16"}),
+          # no state either, their verdict agreed from the buckets' flags
+          "uint8": ("gradient_allreduce", {"compression": "minmax_uint8"}),
+          "hierarchical": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2})}
 # relaxations whose gradients stay local: only the bad rank skips, through its scaler or its fused optimizer
 LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
          "decentralized": ("decentralized", {})}
@@ -188,24 +191,28 @@ def test_a_step_without_its_scaler_reads_the_verdict(clusters, P, unscale_first)
 
 
 def _r_not_eligible(rank, P):
-    """A codec whose guard zeroes a bad bucket (minmax_uint8), with a fused optimizer: its verdict is read."""
+    """A codec with error feedback (sign), with a fused optimizer: its verdict is read (its residual is put
+    back on the host's word)."""
     os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
     try:
         net = torch.nn.Linear(4, 2)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
-        model = bagua_lite.DistributedModel(net, opt, build("gradient_allreduce", compression="minmax_uint8"))
+        model = bagua_lite.DistributedModel(net, opt, build("gradient_allreduce", compression="sign"))
         net(torch.ones(3, 4)).sum().backward()
         on_device = model._verdict_round
         opt.step()
         model.close()
-        return on_device, model.algorithm.verdict_in_result, build("gradient_allreduce").verdict_in_result
+        kinds = [build("gradient_allreduce", **o).device_verdict for o in
+                 ({}, {"compression": "bf16"}, {"compression": "minmax_uint8"}, {"hierarchical": True},
+                  {"compression": "sign"})]
+        return on_device, kinds, [build(n).device_verdict for n in ("topk", "gtopk", "powersgd", "qadam")]
     finally:
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
-def test_only_results_that_carry_the_verdict_keep_it_on_the_device(clusters):
+def test_only_rounds_that_keep_no_state_leave_their_verdict_on_the_device(clusters):
     for out in clusters.get(2).run(_r_not_eligible, timeout=120):
-        assert out == (False, False, True), out
+        assert out == (False, ["result", "result", "flags", "flags", ""], ["", "", "", ""]), out
 
 
 def _r_last_step_bad(rank, P):
