@@ -164,10 +164,8 @@ class GradientAllReduce(Algorithm):
     @property
     def device_verdict(self) -> str:
         """Dense sums (fp32, or cast to fp16 or bf16) give every rank the same result, inf/NaN wherever a rank's
-        gradient held one: "result". The other codecs without error feedback (ByteGrad) and hierarchical keep
-        no state either, but a bad rank's bucket is zeroed (quantizers reject NaN): "flags". A residual: ""."""
-        if self.compressor is not None and self.compressor.error_feedback:
-            return ""
+        gradient held one: "result". The other codecs and hierarchical: "flags" (a bad rank's bucket is zeroed,
+        as quantizers reject NaN; the residuals are register_state(rollback=True) state)."""
         if not self.hierarchical and (self.compression == "none" or self._cast_allreduce()
                                       or self.compression in CASTS):
             return "result"

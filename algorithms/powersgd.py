@@ -105,6 +105,9 @@ class PowerSGD(Algorithm):
     # rank, both put back to before the lost round (register_state rollback), so both stay.
     supports_membership_change = True
 
+    #: a GPU round's verdict agreed from the buckets' flags on the device, residuals and Q's put back there
+    device_verdict = "flags"
+
     def bucket_ops(self, bucket):
         def powersgd(flat, b=bucket.index):
             if self.step < self.warmup_steps:

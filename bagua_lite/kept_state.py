@@ -2,6 +2,8 @@
 snapshotted for it."""
 import torch
 
+from . import _C
+
 
 class KeptState:
     """What an algorithm declared with :meth:`Algorithm.register_state`, and what the framework does with it
@@ -44,6 +46,14 @@ class KeptState:
             if backups is not None:
                 for b, t in zip(backups, tensors):
                     t.copy_(b)
+
+    def roll_back_flagged(self, flags) -> None:
+        """:meth:`roll_back` decided on the device: the ``rollback=True`` tensors put back only where one of
+        ``flags`` (int32, on their device) is set, with no host read (bagua_lite.verdict)."""
+        for tensors, backups in self._kept.values():
+            if backups is not None:
+                for b, t in zip(backups, tensors):
+                    _C.copy_flagged_(t, b, flags)
 
     def snapshot(self):
         """Copies of every registered tensor (for :meth:`restore`)."""

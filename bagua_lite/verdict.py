@@ -2,16 +2,17 @@
 
 Where the checks stay on the device (a GPU), a round's inf/NaN verdict is normally read on the host once,
 on the engine's thread, so that ``optimizer.step()`` can refuse the round before anything is applied and
-the algorithm's state can be put back. An algorithm whose rounds change no state needs neither
-(``Algorithm.device_verdict``):
+the algorithm's state can be put back. An algorithm can do without (``Algorithm.device_verdict``):
 
 - ``"result"``: its round's result is the same on every rank and holds inf/NaN wherever any rank's
   gradient did (dense averaging, in fp32 or cast to fp16 or bf16), so the result itself is the agreed
   verdict: each bucket's last op takes its (min, max) in one pass (``torch.aminmax``: NaN propagates, an inf
   is an extreme, finite values cannot overflow, unlike a sum), into a row kept per bucket; nothing is sent;
 - ``"flags"``: the buckets' flags are MAX-allreduced on the model's group after the last bucket (on the
-  device: NCCL's stream), and the first element of bucket 0 is set to NaN where they say so, so that a
-  loss scaler's check of ``.grad`` sees it (ByteGrad, hierarchical: a bad rank's bucket travels as zeros).
+  device: NCCL's stream); where they say so, the state registered with ``rollback=True`` is put back by a
+  copy that returns at once otherwise (``_C.copy_flagged_``), and the first element of bucket 0 is set to NaN
+  so that a loss scaler's check of ``.grad`` sees it (ByteGrad, hierarchical, error feedback, PowerSGD: a bad
+  rank's bucket travels as zeros or as whatever its codec makes of NaN).
 
 The verdict is then left on the device and handed to what refuses the step there:
 
@@ -79,6 +80,7 @@ class ResultVerdict:
         device = buckets[0].device
         self.flags, self._first = flags, buckets[0].flat[:1]
         self.kind = ""  # this round's: "result", "flags" or "" (read on the host)
+        self._kept = None  # the algorithm's KeptState, for "flags"
         by_dtype = {}
         for b in buckets:
             by_dtype.setdefault(b.dtype, []).append(b.index)
@@ -96,12 +98,14 @@ class ResultVerdict:
         GradScaler's round, or a fused optimizer)."""
         kind = getattr(algorithm, "device_verdict", "")
         self.kind = kind if kind in ("result", "flags") and (scaled or skips_on_device(optimizer)) else ""
+        self._kept = algorithm.kept_state
         self.pending = False  # a round that never reached optimizer.step() is over
         return bool(self.kind)
 
     def ops(self, index: int, last: bool, group):
         """The bucket's ops after its own: "result": its (min, max) into its row; "flags", after the last
-        bucket: the flags agreed over ``group`` (MAX), and bucket 0's first element NaN where they say so."""
+        bucket: the flags agreed over ``group`` (MAX), and where they say so the round's state put back and
+        bucket 0's first element NaN."""
         if self.kind == "result":
             row = self._row[index]
 
@@ -111,11 +115,12 @@ class ResultVerdict:
             return [result_extremes]
         if self.kind != "flags" or not last:
             return []
-        flags, first = self.flags, self._first
+        flags, first, kept = self.flags, self._first, self._kept
 
         def agreed_flags(_flat):
             if group is not None and group.size() > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+            kept.roll_back_flagged(flags)
             first.masked_fill_(flags.amax() != 0, float("nan"))
         return [agreed_flags]
 

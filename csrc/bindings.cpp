@@ -154,6 +154,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return kern::scale_checked(dst, src ? *src : at::Tensor(), scale);
         },
         py::arg("dst"), py::arg("src"), py::arg("scale") = 1.0, release());
+  m.def("copy_flagged_", [](at::Tensor dst, const at::Tensor& src, const at::Tensor& flags) {
+          kern::copy_flagged_(dst, src, flags);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("flags"), release());
   m.def("scale_flagged_",
         [](at::Tensor dst, std::optional<at::Tensor> src, double scale, at::Tensor flag) {
           kern::scale_flagged_(dst, src ? *src : at::Tensor(), scale, flag);

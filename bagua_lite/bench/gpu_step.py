@@ -8,8 +8,8 @@
 At P = 1 nothing travels, so what a row costs over the plain loop is the wrapper's own work: hooks, copies
 into buckets, codecs, selection, the engine's handoff. The reference model is a GPT-style decoder (12 layers x
 768, vocabulary 8192, 512 tokens, batch 8: 91.7M parameters), bf16 autocast on a GPU, SGD with momentum (Adam
-for qadam; the rows named "... fused" with ``fused=True``, where the dense rows' non-finite verdict and the
-local steps' checks stay on the device); ``--models gpt,resnet18`` adds the zoo's ResNet-18 (CIFAR size, batch 128). ``--small``: a 2-layer
+for qadam; the rows named "... fused" with ``fused=True``, where the synchronous rows' non-finite verdict and
+the local steps' checks stay on the device); ``--models gpt,resnet18`` adds the zoo's ResNet-18 (CIFAR size, batch 128). ``--small``: a 2-layer
 GPT and ResNet-18 at batch 4, for the CPU. Per row: the median ms of a step (from before forward to the device
 being idle), the median ms until the host is back from ``optimizer.step()`` (close to the step's time when the
 host waits for the device inside a step), the host synchronisations one step makes as
@@ -61,10 +61,11 @@ ROWS = {
     "diloco period 8": ("diloco", {"period": 8}),
 }
 #: the same rows with a fused optimizer (``fused=True``: it skips a step on the device when told to), where a
-#: dense row's non-finite verdict and a local step's check stay on the device (bagua_lite.verdict): row -> the
-#: row it repeats
+#: synchronous row's non-finite verdict and a local step's check stay on the device (bagua_lite.verdict): row ->
+#: the row it repeats
 FUSED = {f"{row} fused": row for row in ("plain", "ddp", "gradient_allreduce", "gradient_allreduce fp16",
-                                         "gradient_allreduce uint8", "local_sgd period 8", "diloco period 8")}
+                                         "gradient_allreduce uint8", "gradient_allreduce sign", "powersgd r4",
+                                         "local_sgd period 8", "diloco period 8")}
 ROWS.update({row: ROWS[base] for row, base in FUSED.items()})
 
 

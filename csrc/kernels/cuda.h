@@ -49,6 +49,8 @@ void scatter_add(at::Tensor& dense, const at::Tensor& values, const at::Tensor& 
 // dst = src * scale (float32, contiguous; src may be dst) in one pass, and flag (one int32) = 1 if src held
 // inf/NaN (sparse.h's scale_flagged_).
 void scale_flagged(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag);
+// dst = src (contiguous, same bytes) only if any of `flags` (int32) is nonzero (sparse.h's copy_flagged_).
+void copy_flagged(at::Tensor& dst, const at::Tensor& src, const at::Tensor& flags);
 #endif
 
 }  // namespace cuda

@@ -406,6 +406,28 @@ void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Te
   scale_into(dst, src, scale);
 }
 
+void copy_flagged_(at::Tensor& dst, const at::Tensor& src, const at::Tensor& flags) {
+  BL_CHECK(flags.scalar_type() == at::kInt && flags.device() == dst.device() && flags.is_contiguous(),
+           "copy_flagged_: `flags` must be contiguous int32 on ", dst.device(), ", got ", flags.scalar_type(), " on ",
+           flags.device());
+  BL_CHECK(src.scalar_type() == dst.scalar_type() && src.numel() == dst.numel() && src.device() == dst.device() &&
+               src.is_contiguous() && dst.is_contiguous(),
+           "copy_flagged_: dst and src must be contiguous, of one dtype, size and device; got ", dst.numel(), " ",
+           dst.scalar_type(), " on ", dst.device(), " and ", src.numel(), " ", src.scalar_type(), " on ", src.device());
+  if (dst.is_cpu()) {  // the flags are host memory: no wait
+    const int32_t* f = flags.const_data_ptr<int32_t>();
+    if (std::any_of(f, f + flags.numel(), [](int32_t v) { return v != 0; })) dst.copy_(src);
+    return;
+  }
+#ifdef BAGUA_LITE_WITH_CUDA
+  if (dst.is_cuda() && cuda::enabled()) {
+    cuda::copy_flagged(dst, src, flags);
+    return;
+  }
+#endif
+  dst.copy_(at::where(flags.ne(0).any(), src, dst));  // other devices: chosen on the device, a whole pass
+}
+
 namespace {
 // Block maxima (see sparse.h): block b of a bucket is its elements [64 b, 64 b + 64).
 BL_ALWAYS_INLINE uint32_t f32_bits(float v) {

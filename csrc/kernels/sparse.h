@@ -60,6 +60,11 @@ bool scale_checked(at::Tensor& dst, const at::Tensor& src, double scale);
 // inf/NaN and left as it is otherwise. Nothing is read back, so on a GPU the hook that calls it does not
 // wait for the device; the flag is read once per round, at the agreement.
 void scale_flagged_(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag);
+// dst = src (same dtype, numel and device, both contiguous) only if any of `flags` (int32 on that device) is
+// nonzero; otherwise nothing. Nothing is read back: on a GPU every block reads the flags and returns at once
+// when none is set, so a round whose agreed verdict is clear pays one launch (the state a discarded round
+// put back, bagua_lite/verdict.py).
+void copy_flagged_(at::Tensor& dst, const at::Tensor& src, const at::Tensor& flags);
 // Block maxima, for kernels::topk_out's block_max: an int32 tensor with one slot per 64 elements of a bucket
 // (slot b covers bucket positions [64 b, 64 b + 64)). Writers given one (block_max and block_offset, the
 // position of their output's first element in the bucket) max-combine the magnitude key of every element

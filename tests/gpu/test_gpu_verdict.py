@@ -1,11 +1,11 @@
-"""Rounds that change no state, whose non-finite verdict stays on the device (bagua_lite.verdict: dense
-averaging's in its result, ByteGrad's in its agreed flags), and local steps (local SGD, DiLoCo) whose checks
-stay there: with a fused optimizer, with or without a GradScaler, a step makes no host synchronisation on any
-thread (counted with ``torch.cuda.set_sync_debug_mode("warn")``, as ``bench.gpu_step`` counts them), and a
-non-finite gradient on one rank is still skipped (dense: on every rank; local: on that rank alone): the
-weights across the bad step are bit for bit those before it, the scaler's scale falls, and without a scaler
-the error comes at the next forward. NCCL at P = 1, gloo with CUDA tensors at P = 2. With the CPU standing in,
-the same run with BAGUA_LITE_DEFER_CHECKS=1 (no count).
+"""Synchronous rounds whose non-finite verdict stays on the device (bagua_lite.verdict: dense averaging's in its
+result, the codecs' and PowerSGD's in their agreed flags, their state put back there), and local steps (local
+SGD, DiLoCo) whose checks stay there: with a fused optimizer, with or without a GradScaler, a step makes no
+host synchronisation on any thread (counted with ``torch.cuda.set_sync_debug_mode("warn")``, as
+``bench.gpu_step`` counts them), and a non-finite gradient on one rank is still skipped (dense: on every rank;
+local: on that rank alone): the weights across the bad step are bit for bit those before it, the scaler's
+scale falls, and without a scaler the error comes at the next forward. NCCL at P = 1, gloo with CUDA tensors
+at P = 2. With the CPU standing in, the same run with BAGUA_LITE_DEFER_CHECKS=1 (no count).
 """
 import os
 
@@ -18,6 +18,8 @@ from gpu_device import DEVICE, serve_rows, spawn_ranks
 BAD_STEP, STEPS = 5, 8  # steps 2 and 3 are counted, 4 on recorded
 ALGORITHMS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"compression": "fp16"}),
               "uint8": ("gradient_allreduce", {"compression": "minmax_uint8"}),
+              "sign": ("gradient_allreduce", {"compression": "sign"}),
+              "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0}),
               "local_sgd": ("local_sgd", {"period": 1000}), "diloco": ("diloco", {"period": 1000})}
 LOCAL = ("local_sgd", "diloco")  # gradients stay local: only the bad rank skips (no average in these steps)
 CASES = {f"{a} {driver}": (a, driver) for a in ALGORITHMS for driver in ("fused", "fused+scaler")}

@@ -47,7 +47,33 @@ __global__ void scale_flag_f32(float* d, const float* s, float f, int64_t n, boo
   if (__syncthreads_or(bad) && threadIdx.x == 0) *flag = 1;  // every writer writes 1: no race to lose
 }
 
+// dst = src, byte for byte (16-byte chunks where both are 16-byte aligned, then the tail), only where one of
+// the `nflags` flags is set: every block reads them first and returns at once when none is.
+__global__ void copy_if_flagged(uint8_t* d, const uint8_t* s, int64_t nbytes, const int32_t* flags, int nflags) {
+  int set = 0;
+  for (int i = 0; i < nflags; ++i) set |= flags[i];
+  if (!set) return;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t t = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  int64_t done = 0;
+  if (((reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s)) & 15) == 0) {
+    const int64_t n16 = nbytes / 16;
+    for (int64_t i = t; i < n16; i += stride) reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
+    done = n16 * 16;
+  }
+  for (int64_t i = done + t; i < nbytes; i += stride) d[i] = s[i];
+}
+
 }  // namespace
+
+void copy_flagged(at::Tensor& dst, const at::Tensor& src, const at::Tensor& flags) {
+  const int64_t nbytes = dst.numel() * static_cast<int64_t>(dst.element_size());
+  if (nbytes == 0 || flags.numel() == 0) return;
+  copy_if_flagged<<<grid_for(nbytes / 16 + 1), kThreads, 0, stream()>>>(
+      static_cast<uint8_t*>(dst.data_ptr()), static_cast<const uint8_t*>(src.const_data_ptr()), nbytes,
+      flags.const_data_ptr<int32_t>(), static_cast<int>(flags.numel()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void scale_flagged(at::Tensor& dst, const at::Tensor& src, double scale, at::Tensor& flag) {
   const int64_t n = dst.numel();
