@@ -36,6 +36,7 @@ from .config import algorithm_from
 from .services import Services
 from .shard_units import find_units, resolve_groups
 from .step_hooks import StepHooks
+from .verdict import ResultVerdict
 
 WHO = "ShardedModel"
 
@@ -123,6 +124,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._nonfinite_flags = defer_nonfinite_checks(self.buckets)
         self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
         self._local_unread = []
+        self._verdict = None if self._nonfinite_flags is None else ResultVerdict(self.buckets, self._nonfinite_flags)
         self._engine = _C.Engine()
         algorithm.model = self
         try:  # the algorithm's own refusals come before any hook is in place
@@ -181,6 +183,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
     def _start_round(self):
         self._backward_active = True
         self._round_scales = _compat.scaler_scales(self.grad_scaler)
+        self._verdict_round = self._verdict is not None and self._verdict.begin_round(
+            self.algorithm, self.optimizer, self._round_scales is not None, sharded=True)
         self._nonfinite_error = None
         if self._nonfinite_flags is not None:
             self._nonfinite_flags.zero_()  # on the device's stream, ahead of this round's checks
@@ -195,10 +199,15 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         step, -step); the round is kept, or discarded on every rank alike (``.grad`` NaN everywhere)."""
         self._backward_active = False
         bad = bool(self.algorithm.nonfinite_buckets)
-        if not bad and self._nonfinite_flags is not None:  # the checks left on the device: one read per round
+        if self._verdict_round:  # agreed over every rank on the device, no read (bagua_lite.verdict)
+            self._engine.submit(-1, self._no_tensor, [self._verdict.flags_op(dist.group.WORLD, self._first_grad)])
+            self._wait_engine()
+        elif not bad and self._nonfinite_flags is not None:  # the checks left on the device: one read per round
             bad = any(host_read(self._nonfinite_flags))
         if not self._agree(1 if bad else 0):
             self.algorithm.commit_round()
+            if self._verdict_round:
+                self._verdict.pending = True
             return
         self.algorithm.kept_state.roll_back()
         with torch.no_grad():
@@ -210,6 +219,15 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             f"skipped this round: .grad is NaN on all ranks and {self.algorithm.name}'s state is as before it. A "
             f"loss scaler (torch.amp.GradScaler) skips such steps; without one, optimizer.step() refuses to apply "
             f"it (this is rank {dist.get_rank()}). Look for what produced the inf/NaN: learning rate, loss, inputs")
+
+    def _first_grad(self):
+        """One element of this rank's gradient shards (the first of the first non-empty one), for a loss
+        scaler's check to see a round the device verdict discarded: each rank's scaler checks its own."""
+        for p in self.module.parameters():
+            g = None if p.grad is None else p.grad.to_local()
+            if g is not None and g.numel():
+                return g.as_strided((1,), (1,), g.storage_offset())
+        return None
 
     def _agree(self, bad: int) -> bool:
         """One MAX allreduce over every rank of (bad, step, -step): raise on every rank if the step counts
@@ -315,6 +333,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         finally:
             if self._engine is not None and not self._engine_abandoned:
                 self._engine.shutdown()
+            if self._verdict is not None:  # a step a fused optimizer skipped that no forward since reported
+                self._verdict.warn_unreported(lambda step, local: self._result_error(step, local, late=True))
 
 
 def on_shards():

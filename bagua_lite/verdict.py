@@ -92,11 +92,13 @@ class ResultVerdict:
         self._late = None  # ((host copy, event or None), step, local): a verdict a fused optimizer applied
         self._set_on = None  # the optimizer whose found_inf is ours during its step
 
-    def begin_round(self, algorithm, optimizer, scaled: bool) -> bool:
+    def begin_round(self, algorithm, optimizer, scaled: bool, sharded: bool = False) -> bool:
         """Whether this round's verdict stays on the device (the checks deferred, no fault tolerance): an
         algorithm that allows it (``device_verdict``), and something that refuses on the device (``scaled``: a
-        GradScaler's round, or a fused optimizer)."""
+        GradScaler's round, or a fused optimizer). ``sharded``: the ranks of a replica hold different shards
+        of the result, so the verdict is always agreed from the flags."""
         kind = getattr(algorithm, "device_verdict", "")
+        kind = "flags" if sharded and kind == "result" else kind
         self.kind = kind if kind in ("result", "flags") and (scaled or skips_on_device(optimizer)) else ""
         self._kept = algorithm.kept_state
         self.pending = False  # a round that never reached optimizer.step() is over
@@ -115,14 +117,21 @@ class ResultVerdict:
             return [result_extremes]
         if self.kind != "flags" or not last:
             return []
-        flags, first, kept = self.flags, self._first, self._kept
+        return [self.flags_op(group, lambda: self._first)]
+
+    def flags_op(self, group, target):
+        """The op that agrees the flags over ``group`` (MAX), puts the round's state back where they say so and
+        sets ``target()`` (one element of ``.grad``, or None) to NaN there."""
+        flags, kept = self.flags, self._kept
 
         def agreed_flags(_flat):
             if group is not None and group.size() > 1:
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
             kept.roll_back_flagged(flags)
-            first.masked_fill_(flags.amax() != 0, float("nan"))
-        return [agreed_flags]
+            first = target()
+            if first is not None:
+                first.masked_fill_(flags.amax() != 0, float("nan"))
+        return agreed_flags
 
     def _finite(self) -> torch.Tensor:
         """On the device: whether this round was free of inf/NaN on every rank (a 0-d bool)."""

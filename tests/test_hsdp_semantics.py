@@ -469,6 +469,84 @@ def test_local_nonfinite_gradient_skips_on_its_rank_alike_deferred_or_at_once(c4
     assert "first in parameter" in at_once[1][0][BAD], at_once[1][0][BAD]
 
 
+SIGN = {"name": "gradient_allreduce", "compression": "sign"}
+DENSE = {"name": "gradient_allreduce"}
+# (fused optimizer, GradScaler): what refuses a bad round on the device, so that its verdict can stay there
+DRIVERS = {"fused": (True, False), "scaler": (False, True), "fused_scaler": (True, True)}
+
+
+def _r_device_verdict(rank, world, spec, driver, deferred):
+    """At step BAD rank 1's input holds a NaN; a FloatingPointError from the step, or (a step late) from the
+    forward, is recorded and the loop goes on (a forward's error retries the batch). Returns the errors,
+    the weights after every step, the scales and the host's reads of answers left on the device."""
+    from bagua_lite import sharded, step_hooks, verdict
+    fused, scaled = DRIVERS[driver]
+    reads, read = [], sharded.host_read
+    sharded.host_read = step_hooks.host_read = verdict.host_read = lambda t: reads.append(1) or read(t)
+    try:
+        with _deferred_checks(deferred):
+            net, mesh = _sharded(2, 2)
+            opt = torch.optim.AdamW(net.parameters(), lr=1e-2, fused=fused)  # (a fused SGD does not take DTensors)
+            scaler = torch.amp.GradScaler("cpu") if scaled else None
+            relaxed = bagua_lite.ShardedModel(net, opt, algorithm=_algorithm(spec), mesh=mesh, grad_scaler=scaler)
+        errors, history, scales, rounds = [], [], [], 0
+        batches, step = _batches(rank, STEPS), 0
+        while step < STEPS:
+            x, y = batches[step]
+            if step == BAD and rank == 1:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            try:
+                loss = _loss(net, x, y)
+            except FloatingPointError as e:
+                errors.append(("forward", step, str(e)))
+                continue
+            (scaler.scale(loss) if scaler else loss).backward()
+            rounds += relaxed._verdict_round
+            try:
+                if scaler:
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(scaler.get_scale())
+                else:
+                    opt.step()
+            except FloatingPointError as e:
+                errors.append(("step", step, str(e)))
+            opt.zero_grad()
+            history.append(_full(net))
+            step += 1
+        relaxed.close()
+        return errors, history, scales, len(reads), rounds
+    finally:
+        sharded.host_read = step_hooks.host_read = verdict.host_read = read
+
+
+@pytest.mark.parametrize("driver", list(DRIVERS))
+@pytest.mark.parametrize("spec", [DENSE, SIGN], ids=["dense", "sign"])
+def test_verdict_left_on_the_device_across_shards(c4, spec, driver):
+    """With the checks left on the device, a fused optimizer or a GradScaler: the round's flags are agreed over
+    every rank on the device (MAX allreduce), the state put back there (sign's residuals), so nothing is read,
+    and every step's weights and scales are bit for bit those of the checks that answer at once; without a
+    scaler the error comes at the next forward instead of at optimizer.step()."""
+    at_once, deferred = c4.run(_r_device_verdict, spec, driver, False), c4.run(_r_device_verdict, spec, driver, True)
+    for rank in range(4):
+        errors, history, scales, reads, rounds = deferred[rank]
+        assert (reads, rounds) == (0, STEPS), (rank, reads, rounds)
+        assert at_once[rank][4] == 0
+        for step in range(STEPS):
+            assert _equal(history[step], at_once[rank][1][step]), (rank, step)
+            assert _equal(history[step], deferred[_twin(rank)][1][step]), (rank, step)
+        assert _equal(history[BAD], history[BAD - 1]) and not _equal(history[-1], history[BAD])
+        assert scales == at_once[rank][2]
+        if DRIVERS[driver][1]:
+            assert errors == at_once[rank][0] == [], (rank, errors, at_once[rank][0])
+            assert scales[BAD] == scales[BAD - 1] / 2, scales
+        else:
+            assert [e[:2] for e in at_once[rank][0]] == [("step", BAD)], at_once[rank][0]
+            assert [e[:2] for e in errors] == [("forward", BAD + 1)], errors
+            assert f"at step {BAD}:" in errors[0][2] and "skipped that step on the device" in errors[0][2]
+
+
 # ---- 7. a peer failure ------------------------------------------------------------------------------------------
 FAILS_AT = 2
 
