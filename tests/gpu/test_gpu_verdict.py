@@ -4,8 +4,9 @@ SGD, DiLoCo) whose checks stay there: with a fused optimizer, with or without a 
 host synchronisation on any thread (counted with ``torch.cuda.set_sync_debug_mode("warn")``, as
 ``bench.gpu_step`` counts them), and a non-finite gradient on one rank is still skipped (dense: on every rank;
 local: on that rank alone): the weights across the bad step are bit for bit those before it, the scaler's
-scale falls, and without a scaler the error comes at the next forward. NCCL at P = 1, gloo with CUDA tensors
-at P = 2. With the CPU standing in, the same run with BAGUA_LITE_DEFER_CHECKS=1 (no count).
+scale falls, and without a scaler the error comes at the next forward. NCCL at P = 1 (held to no
+synchronisation), gloo with CUDA tensors at P = 2 (counted only: gloo copies CUDA tensors through the host).
+With the CPU standing in, the same run with BAGUA_LITE_DEFER_CHECKS=1 (no count).
 """
 import os
 
@@ -110,7 +111,8 @@ def test_verdict_on_the_device_makes_no_host_synchronisation(dev, record, backen
             reported &= all(x["errors"] == [] and not (x["weights"][i] == x["weights"][i - 1]).all()
                             for x in outs[:-1])
         syncs = [x["syncs"] for x in outs]
-        none = all(s is None or s["all"] == 0 for s in syncs)
+        # held to none under NCCL; gloo carries CUDA tensors through host copies of its own (counted, not held)
+        none = backend != "nccl" or all(s is None or s["all"] == 0 for s in syncs)
         ok = bool((o["on_device"] or local) and skipped and replicas and reported and none)
         ok_all &= ok
         note = "syncs/step: " + ("n/a (CPU)" if syncs[0] is None else
