@@ -148,12 +148,10 @@ class GradientAllReduce(Algorithm):
             reject NaN; the round is discarded on every rank anyway)."""
             if bucket.nonfinite_seen(self.nonfinite_buckets):
                 flat.zero_()
-        op = self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual) \
-            if self.compressor.native else None
-        if self.compression in CASTS:  # it carries inf/NaN as they are: the result holds the verdict
-            return [op]
-        if op is not None:
-            return [guard, op]
+        if self.compressor.native:
+            op = self.native.CompressedAllreduceOp(self.process_group, self.compressor.name, True, residual)
+            # a cast carries inf/NaN as they are (the result holds the verdict): no guard
+            return [op] if self.compression in CASTS else [guard, op]
 
         def compressed_allreduce(flat):  # a user's Python compressor
             comm.compressed_allreduce(flat, self.compressor, group=self.process_group, residual=residual)

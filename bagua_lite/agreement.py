@@ -82,7 +82,7 @@ class RoundAgreement:
     #: the round's agreement posted with the last bucket (:meth:`_agreement_op`): [work (True: one rank's row,
     #: made), rows]
     _posted = None
-    #: this round's non-finite verdict stays on the device, in its result (bagua_lite.verdict): no flag is read
+    #: this round's non-finite verdict stays on the device (bagua_lite.verdict): no flag is read on the host
     _verdict_round = False
 
     def _check_same_config(self):

@@ -32,7 +32,7 @@ from .config import algorithm_from
 from .scheduler import Scheduler
 from .services import Services
 from .step_hooks import StepHooks
-from .verdict import ResultVerdict
+from .verdict import DeviceVerdict
 from .wrappable import check_wrappable
 
 
@@ -208,7 +208,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         self._nonfinite_flags = defer_nonfinite_checks(self.buckets)  # None: the hooks' checks answer at once
         self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
         self._local_unread = []
-        self._verdict = None if self._nonfinite_flags is None else ResultVerdict(self.buckets, self._nonfinite_flags)
+        self._verdict = None if self._nonfinite_flags is None else DeviceVerdict(self.buckets, self._nonfinite_flags)
         self._index = {p: i for i, p in enumerate(self.params)}
         self._used_words = max(1, -(-len(self.params) // agreement.BITS))
         self._slot = {}  # param -> (bucket index, position)

@@ -36,7 +36,7 @@ from .config import algorithm_from
 from .services import Services
 from .shard_units import find_units, resolve_groups
 from .step_hooks import StepHooks
-from .verdict import ResultVerdict
+from .verdict import DeviceVerdict
 
 WHO = "ShardedModel"
 
@@ -124,7 +124,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._nonfinite_flags = defer_nonfinite_checks(self.buckets)
         self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
         self._local_unread = []
-        self._verdict = None if self._nonfinite_flags is None else ResultVerdict(self.buckets, self._nonfinite_flags)
+        self._verdict = None if self._nonfinite_flags is None else DeviceVerdict(self.buckets, self._nonfinite_flags)
         self._engine = _C.Engine()
         algorithm.model = self
         try:  # the algorithm's own refusals come before any hook is in place

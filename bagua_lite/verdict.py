@@ -72,9 +72,9 @@ def scaler_set_found_inf(optimizer, verdict=None) -> bool:
     return found is not None and skips_on_device(optimizer) and (verdict is None or found is not verdict.found_inf)
 
 
-class ResultVerdict:
-    """A model's verdict on its rounds' results ((min, max) per bucket), and the one a fused optimizer
-    took on the device, to report a step late."""
+class DeviceVerdict:
+    """A model's round verdicts left on the device (each bucket's result's (min, max), or the agreed flags),
+    and the one a fused optimizer took there, to report a step late."""
 
     def __init__(self, buckets, flags):
         device = buckets[0].device
