@@ -17,7 +17,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
 The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
 ``sync_gradients`` and ``after_step``) is what a relaxation usually writes.
 
-**Every algorithm: 31 names.** Hooks, in the order of one training step:
+**Every algorithm: 32 names.** Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
@@ -34,7 +34,8 @@ The contract, every name documented here once. Everything has a default; ``bucke
                            ``optimizer.step()`` raises). It exists for what a copy back cannot express: state
                            that becomes current by a swap (Top-k's double-buffered residuals and momenta,
                            which a rollback would copy twice per step) and what a kept round hands to the
-                           optimizer step (which entries the sparse result wrote)
+                           optimizer step (which entries the sparse result wrote). With a verdict left on the
+                           device every round is committed (see ``register_working_copies``)
 ``before_step()``          inside every ``optimizer.step()``, before the optimizer's own update (after the
                            closure, if one was passed, ran its forward and backward)
 ``after_step()``           after every ``optimizer.step()``; ``step`` counts completed steps
@@ -42,8 +43,9 @@ The contract, every name documented here once. Everything has a default; ``bucke
                            (an exchange in flight, a background thread)
 
 State: ``step`` (completed optimizer steps); ``register_state(name, tensors, rollback=, shared=)`` (below:
-checkpointed, put back when a round is discarded); ``state_dict()`` / ``load_state_dict()`` for state that is
-not a list of tensors (counters, an outer optimizer's state, a decision); ``fill(bucket, j, grad, scale)``, the
+checkpointed, put back when a round is discarded); ``register_working_copies(pairs)`` (state that ``commit_round``
+swaps in: below); ``state_dict()`` / ``load_state_dict()`` for state that is not a list of tensors (counters, an
+outer optimizer's state, a decision); ``fill(bucket, j, grad, scale)``, the
 default ``on_gradient``'s copy that also records a non-finite gradient; ``native``, the C++ core's bucket ops.
 
 What it declares: ``asynchronous`` (ranks do not wait for each other every step: a benchmark must not
@@ -95,16 +97,15 @@ classmethod ``predicted_as`` (the cost model predicts what it would run).
 """
 import functools
 import inspect
-import math
 from typing import Dict, List, Type
 
 import torch
 
 from . import _C
+from ._options import check_option_type
 from .kept_state import KeptState
 
 _REGISTRY: Dict[str, Type["Algorithm"]] = {}
-MAX_INT_OPTION = 2 ** 31  # a period or step count beyond this is a typo (and overflows int32 counters)
 
 
 class Algorithm:
@@ -134,7 +135,8 @@ class Algorithm:
     #: runs across the replicas of an FSDP2-sharded model (ShardedModel: a bucket per unit, params the shards)
     on_shards: bool = False
     #: how a GPU round's non-finite verdict may stay on the device (bagua_lite.verdict): "result" (equal on every
-    #: rank, inf/NaN where any rank's gradient was), "flags" (no state changes in a round), "" (read on the host)
+    #: rank, inf/NaN where any rank's gradient was), "flags" (state put back there: rollback=True, working copies),
+    #: "" (read on the host)
     device_verdict: str = ""
 
     def __init__(self):
@@ -273,6 +275,15 @@ class Algorithm:
             raise TypeError(f"{self.name}: register_state({name!r}) takes a list of tensors")
         self.kept_state.add(name, tensors, rollback, shared)
 
+    def register_working_copies(self, pairs) -> None:
+        """State that :meth:`commit_round` swaps in (Top-k's double buffers), under ``device_verdict = "flags"``:
+        ``pairs()`` gives [(working copy, the state it replaces)], alike and contiguous. Where the flags agreed on
+        the device discard the round, each state is copied over its working copy there (no host read), so the
+        swap the host then makes in ``commit_round``, called for every such round, keeps the state."""
+        if not callable(pairs):
+            raise TypeError(f"{self.name}: register_working_copies takes a callable, got {type(pairs).__name__}")
+        self.kept_state.add_working(pairs)
+
     def state_dict(self) -> dict:
         """The step count and every :meth:`register_state` tensor (copies)."""
         state = {"step": self.step}
@@ -407,33 +418,9 @@ def build(name: str, **options) -> Algorithm:
             raise ValueError(f"algorithm {name!r}: unknown option {key!r}{hint} "
                              f"(allowed: {', '.join(allowed) or 'none'})")
         default = sig.parameters[key].default
-        _check_type(name, key, value, default)
+        check_option_type(name, key, value, default)
     alg = cls(**options)
     full = {k: sig.parameters[k].default for k in allowed if sig.parameters[k].default is not inspect._empty}
     full.update(options)
     alg._options = full
     return alg
-
-
-def _check_type(alg, key, value, default):
-    if default is inspect._empty or default is None:
-        return
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    elif isinstance(default, (list, tuple)):
-        ok = isinstance(value, (list, tuple))
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise TypeError(f"algorithm {alg!r}: option {key!r} must be of type {type(default).__name__} "
-                        f"(like its default {default!r}), got {type(value).__name__} {value!r}")
-    for v in (value if isinstance(value, (list, tuple)) else [value]):
-        if isinstance(v, float) and not math.isfinite(v):
-            raise ValueError(f"algorithm {alg!r}: option {key!r} must be finite, got {v!r}")
-        if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= MAX_INT_OPTION:
-            raise ValueError(f"algorithm {alg!r}: option {key!r} = {v} is absurdly large (must be below 2**31)")
-

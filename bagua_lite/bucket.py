@@ -92,7 +92,9 @@ class Bucket:
         if self.flat._version != version:
             return True
         now = self.flat[idx] if idx is not None else self.flat[:_SEAL_SAMPLE]
-        moved = (now != sample).any()  # NaN != NaN: a NaN written in place counts as a change
+        # bit for bit: a NaN written in place counts as a change, one the round left there (a round discarded
+        # on the device poisons an element for a loss scaler: bagua_lite.verdict) does not
+        moved = (_bits(now) != _bits(sample)).any()
         return moved if inv_scale is None else moved & (now != sample * inv_scale).any()
 
     def nbytes(self) -> int:
@@ -100,6 +102,11 @@ class Bucket:
 
     def __repr__(self):
         return f"Bucket({self.index}, params={len(self.params)}, numel={self.numel}, dtype={self.dtype})"
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of their width (a view: equal bits compare equal, NaN too)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def refuse_changed(who: str, buckets, holds: str, instead: str, scaler=None) -> None:

@@ -14,6 +14,7 @@ class KeptState:
     def __init__(self):
         self._kept = {}  # name -> (tensors, their backups or None)
         self._shared = set()  # registered with shared=True: the same on every rank (a joiner copies it)
+        self._working = []  # register_working_copies: callables -> [(working copy, the state it replaces)]
 
     def add(self, name, tensors, rollback, shared):
         self._kept[name] = (tensors, [torch.empty_like(t) for t in tensors] if rollback else None)
@@ -21,6 +22,9 @@ class KeptState:
             self._shared.add(name)
         else:
             self._shared.discard(name)
+
+    def add_working(self, pairs) -> None:
+        self._working.append(pairs)
 
     def items(self):
         """(name, tensors) of every registered state, in registration order."""
@@ -49,11 +53,16 @@ class KeptState:
 
     def roll_back_flagged(self, flags) -> None:
         """:meth:`roll_back` decided on the device: the ``rollback=True`` tensors put back only where one of
-        ``flags`` (int32, on their device) is set, with no host read (bagua_lite.verdict)."""
+        ``flags`` (int32, on their device) is set, with no host read (bagua_lite.verdict); and each working
+        copy declared with ``register_working_copies`` made equal to the state it would replace there, so that
+        the swap that ``commit_round`` makes on the host keeps the state as it was."""
         for tensors, backups in self._kept.values():
             if backups is not None:
                 for b, t in zip(backups, tensors):
                     _C.copy_flagged_(t, b, flags)
+        for pairs in self._working:
+            for working, state in pairs():
+                _C.copy_flagged_(working, state, flags)
 
     def snapshot(self):
         """Copies of every registered tensor (for :meth:`restore`)."""

@@ -522,10 +522,11 @@ def _r_device_verdict(rank, world, spec, driver, deferred):
 
 
 @pytest.mark.parametrize("driver", list(DRIVERS))
-@pytest.mark.parametrize("spec", [DENSE, SIGN], ids=["dense", "sign"])
+@pytest.mark.parametrize("spec", [DENSE, SIGN, GTOPK], ids=["dense", "sign", "gtopk"])
 def test_verdict_left_on_the_device_across_shards(c4, spec, driver):
     """With the checks left on the device, a fused optimizer or a GradScaler: the round's flags are agreed over
-    every rank on the device (MAX allreduce), the state put back there (sign's residuals), so nothing is read,
+    every rank on the device (MAX allreduce), the state put back there (sign's residuals, gtopk's working
+    copies of its residuals), so nothing is read,
     and every step's weights and scales are bit for bit those of the checks that answer at once; without a
     scaler the error comes at the next forward instead of at optimizer.step()."""
     at_once, deferred = c4.run(_r_device_verdict, spec, driver, False), c4.run(_r_device_verdict, spec, driver, True)

@@ -2,7 +2,8 @@
 
 Where the checks stay on the device (a GPU; here the CPU with BAGUA_LITE_DEFER_CHECKS=1), dense averaging
 (gradient_allreduce with no codec or fp16) under a GradScaler or with a fused optimizer leaves its verdict
-in the result: nothing reads it (``bucket.host_read`` is counted), and training is bit for bit what the
+in the result, and the codecs, PowerSGD, topk and gtopk agree their flags on the device and put their state
+back there: nothing reads it (``bucket.host_read`` is counted), and training is bit for bit what the
 checks that answer at once give: the bad step skipped on every rank, the same scales, the same weights
 after it. A fused optimizer without a scaler skips the step on the device and the error comes one step
 late, at the next training forward.
@@ -24,7 +25,14 @@ CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"
           "hierarchical": ("gradient_allreduce", {"hierarchical": True, "ranks_per_node": 2}),
           # and with state, put back on the device: error-feedback residuals, PowerSGD's residuals and Q's
           "sign": ("gradient_allreduce", {"compression": "sign"}),
-          "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0})}
+          "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0}),
+          # double-buffered residuals, a discarded round's working copies put back on the device
+          "topk": ("topk", {"density": 0.25, "momentum_correction": 0}),
+          "gtopk": ("gtopk", {"density": 0.25, "momentum_correction": 0}),
+          "gtopk_4bit": ("gtopk", {"density": 0.25, "momentum_correction": 0, "value_bits": 4})}
+# with momentum correction (SGD's momentum, the default), which refuses a loss scaler: a fused SGD alone; the
+# algorithm's own update skips with the optimizer's, and refuse_changed reads its one answer per step
+MOMENTUM_CORRECTED = {"topk_mc": ("topk", {"density": 0.25}), "gtopk_mc": ("gtopk", {"density": 0.25})}
 # relaxations whose gradients stay local: only the bad rank skips, through its scaler or its fused optimizer
 LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
          "decentralized": ("decentralized", {})}
@@ -49,7 +57,7 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True, unsc
                                   torch.nn.Linear(32, 5))
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=fused)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
-        name, options = {**CODECS, **LOCAL}[codec]
+        name, options = {**CODECS, **MOMENTUM_CORRECTED, **LOCAL}[codec]
         model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002,
                                             grad_scaler=scaler)
         out = {"weights": [], "errors": [], "scale": [], "rounds_on_device": 0, "reads": 0, "buckets": 0}
@@ -94,10 +102,14 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True, unsc
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
+def _codecs(driver):
+    return list(CODECS) + (list(MOMENTUM_CORRECTED) if driver == "fused" else [])
+
+
 def _r_both(rank, P, driver):
     fused, scaler_on = DRIVERS[driver]
     return {codec: (_run(rank, P, codec, fused, scaler_on, False), _run(rank, P, codec, fused, scaler_on, True))
-            for codec in CODECS}
+            for codec in _codecs(driver)}
 
 
 @pytest.mark.parametrize("P", (1, 2, 3), ids=lambda p: f"P{p}")
@@ -105,13 +117,15 @@ def _r_both(rank, P, driver):
 def test_verdict_stays_in_the_result(clusters, P, driver):
     fused, scaler_on = DRIVERS[driver]
     res = clusters.get(P).run(_r_both, driver, timeout=240)
-    for codec in CODECS:
+    for codec in _codecs(driver):
+        # momentum correction's refuse_changed: one read of its in-place check per step it applies a kept round
+        changed = (STEPS if codec in MOMENTUM_CORRECTED else 0, STEPS - 1 if codec in MOMENTUM_CORRECTED else 0)
         for r in range(P):
             at_once, device = res[r][codec]
             assert device["buckets"] >= 2, device["buckets"]
             # every round's verdict stayed on the device and nothing read it; at once nothing is left to read
-            assert device["rounds_on_device"] == STEPS and device["reads"] == 0, (codec, r, device["reads"])
-            assert at_once["rounds_on_device"] == 0 and at_once["reads"] == 0
+            assert device["rounds_on_device"] == STEPS and device["reads"] == changed[0], (codec, r, device["reads"])
+            assert at_once["rounds_on_device"] == 0 and at_once["reads"] == changed[1], (codec, r, at_once["reads"])
             assert not device["found_inf_left"] and not at_once["found_inf_left"]
             for s in range(STEPS):  # bit for bit the weights the checks that answer at once give
                 assert torch.equal(device["weights"][s], at_once["weights"][s]), (codec, driver, r, s)
@@ -194,16 +208,17 @@ def test_a_step_without_its_scaler_reads_the_verdict(clusters, P, unscale_first)
 
 
 def _r_not_eligible(rank, P):
-    """topk, with a fused optimizer: its verdict is read (its double buffers are committed on the host's
-    word); the kinds of the others."""
+    """qadam, with a fused optimizer: its verdict is read (its frozen Adam step and momentum are committed on
+    the host's word); the kinds of the others."""
     os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
     try:
         net = torch.nn.Linear(4, 2)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
-        model = bagua_lite.DistributedModel(net, opt, build("topk", density=0.5, momentum_correction=0))
-        net(torch.ones(3, 4)).sum().backward()
-        on_device = model._verdict_round
-        opt.step()
+        opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=True)
+        model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=1))
+        for _ in range(2):  # the warm-up's round, then a frozen one
+            net(torch.ones(3, 4)).sum().backward()
+            on_device = model._verdict_round
+            opt.step()
         model.close()
         kinds = [build("gradient_allreduce", **o).device_verdict for o in
                  ({}, {"compression": "bf16"}, {"compression": "minmax_uint8"}, {"hierarchical": True},
@@ -213,9 +228,9 @@ def _r_not_eligible(rank, P):
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
-def test_only_rounds_that_keep_no_state_leave_their_verdict_on_the_device(clusters):
+def test_only_rounds_whose_state_is_put_back_on_the_device_leave_their_verdict_there(clusters):
     for out in clusters.get(2).run(_r_not_eligible, timeout=120):
-        assert out == (False, ["result", "result", "flags", "flags", "flags"], ["", "", "flags", ""]), out
+        assert out == (False, ["result", "result", "flags", "flags", "flags"], ["flags", "flags", "flags", ""]), out
 
 
 def _r_last_step_bad(rank, P):

@@ -54,6 +54,14 @@ class SparseMemory:
             return True
         return _C.add_checked(acc, residual, g, block_max, lo)  # acc = residual + g, or residual if g is not finite
 
+    def working_pairs(self):
+        """[(working copy, the state it replaces)] of every buffer :meth:`commit` swaps (for a round
+        discarded on the device: ``Algorithm.register_working_copies``)."""
+        pairs = list(zip(self.acc, self.residuals))
+        if self.momentum:
+            pairs += list(zip(self._u, self.momenta))
+        return pairs
+
     def commit(self):
         """The working copies become the state (a swap, no copy)."""
         self.residuals, self.acc = self.acc, self.residuals

@@ -16,6 +16,8 @@ every weight (reading w and g, writing w: on a CPU a third of a sparse step's me
 1 Gbit/s, P = 4, alternating runs: topk 0.317 -> 0.290 s/step, gtopk 0.305 -> 0.285, medians), or as SGD's
 own update without momentum and decay where it cannot (another device, a ``.grad`` replaced after
 backward, a second ``step()``): ``p.add_(g, alpha=-lr)`` (``torch._foreach_add_`` on CUDA, as SGD does).
+A fused optimizer that skips its step on the device (``found_inf``: a round whose verdict stayed there) skips
+this update with it: on CUDA it goes through torch's fused SGD kernel with the same flag.
 The mechanism, all of it (docs/guarantees.md, tested in tests/test_training.py): during the optimizer's own
 update those parameters' ``.grad`` read None, so the optimizer skips them and keeps no momentum buffer for
 them; the ``.grad`` are back when ``step()`` returns (or, if the update raised, at the next forward or
@@ -112,6 +114,11 @@ class MomentumCorrection:
                            self.model.grad_scaler)
         committed, self._committed = self._committed, None
         groups = self.model.optimizer.param_groups
+        # A fused optimizer given found_inf skips its step on the device (a round whose verdict stayed there,
+        # bagua_lite.verdict): so does this update. On a CPU the flag is read at no cost; on a GPU the update
+        # goes through torch's fused SGD kernel with the flag, which leaves the weights alone where it is set.
+        found_inf = getattr(self.model.optimizer, "found_inf", None)
+        skip = found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf)
         sparse_stepped, dense = [], {}  # dense: (device, lr) -> (params, grads)
         for b in self.model.buckets:
             idx = written[b.index] if committed is not None else None
@@ -132,16 +139,21 @@ class MomentumCorrection:
                     ps.append(p.detach())
                     gs.append(g)
                 self._hidden.append((p, g))
-            if params:
+            if params and not skip:
                 _C.sparse_sgd_step_(params, offsets, b.flat, idx, lrs)
         with torch.no_grad():
             for (device, lr), (ps, gs) in dense.items():
-                if device.type == "cuda":
+                if skip:
+                    continue
+                if device.type == "cuda" and found_inf is not None:
+                    torch._fused_sgd_(ps, gs, [], weight_decay=0.0, momentum=0.0, lr=lr, dampening=0.0,
+                                      nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf)
+                elif device.type == "cuda":
                     torch._foreach_add_(ps, gs, alpha=-lr)
                 else:
                     for p, g in zip(ps, gs):
                         p.add_(g, alpha=-lr)
-        if sparse_stepped:
+        if sparse_stepped and not skip:
             torch.autograd.graph.increment_version(sparse_stepped)  # as an in-place update would
         for p, _ in self._hidden:
             p.grad = None

@@ -31,6 +31,9 @@ class ErrorFeedbackSparsifier(Algorithm):
     #: on shards of an FSDP2 model the selection is per FSDP unit's shard (docs/hsdp.md), without momentum correction
     on_shards = True
     use_block_max = True  # selection reads only the blocks that can hold the top k (False: the whole bucket)
+    #: a GPU round's verdict agreed from the buckets' flags on the device: a discarded round's working copies are
+    #: made equal to the residuals and momenta there (register_working_copies) before commit_round swaps them in
+    device_verdict = "flags"
 
     def __init__(self, density: float = 0.001, warmup_densities: Sequence[float] = (),
                  warmup_steps_per_stage: int = 0, momentum_correction=None, layerwise: bool = False):
@@ -69,6 +72,7 @@ class ErrorFeedbackSparsifier(Algorithm):
         self._correction = _momentum.MomentumCorrection(self.name, self.momentum_correction)
         self._correction.resolve(model)
         self.memory = SparseMemory(model.buckets, momentum=self._correction.active)
+        self.register_working_copies(self.memory.working_pairs)
         # Between steps a bucket holds only the last kept sparse result; remembering where it wrote lets
         # the next step clear k entries instead of the whole bucket (None: clear everything). A round's
         # entries count once it is kept (commit_round): a discarded round's buckets are NaN everywhere.
@@ -121,12 +125,15 @@ class ErrorFeedbackSparsifier(Algorithm):
         return self._out_values, pair[0]
 
     def clear_result(self, flat, bucket_index):
-        """Zero the bucket cheaply: only the entries the previous step's result wrote."""
+        """Zero the bucket cheaply: only the entries the previous step's result wrote (and bucket 0's first,
+        which a round discarded on the device set to NaN for a loss scaler to see: bagua_lite.verdict)."""
         prev = self._written[bucket_index]
         if prev is None:
             flat.zero_()
         else:
             kernels.ef_remove_(flat, prev)
+            if bucket_index == 0:
+                flat[:1].zero_()
 
     @property
     def residuals(self):
@@ -170,7 +177,9 @@ class ErrorFeedbackSparsifier(Algorithm):
 
     def commit_round(self):
         """The swap that makes the working copies the state, and what the optimizer step applies sparsely.
-        (A discarded round needs nothing: the state was never swapped in, the selection reset itself.)"""
+        (A discarded round needs nothing: the state was never swapped in, the selection reset itself. One
+        discarded on the device is committed all the same: its working copies were put back there first, its
+        sparse step is skipped with the optimizer's, and the next round clears what it wrote.)"""
         self.memory.commit()
         self._written[:] = self._round_written
         self._correction.commit(self._written)
