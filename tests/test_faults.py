@@ -246,15 +246,16 @@ STAGGER_S = 0.5  # between the starts of two algorithms' clusters (see the test'
 
 def _fault_under(label, c, P, victim, how, pg_timeout):
     """One algorithm's cluster through the fault: (hung, raised_after) entries."""
-    hung, raised_after = [], []
+    hung, raised_after, why = [], [], ""
     try:
         res = c.run(_r_peer_fault, label, victim, how, pg_timeout, timeout=pg_timeout + 30, grace=pg_timeout + 20)
         survivors = dict(enumerate(res))
     except RemoteError as err:  # the killed victim (or a survivor that failed to answer)
         survivors = {r: v for r, (ok, v) in err.partial.items() if ok}
+        why = str(err)
     for r in set(range(P)) - {victim}:
-        if r not in survivors:
-            hung.append((label, r))
+        if r not in survivors:  # with how it exited, if it did, and the end of its stderr (stacks if a signal)
+            hung.append((label, r, "no result", why[-3000:]))
             continue
         what, elapsed, msg = survivors[r]
         if what != "raised":
