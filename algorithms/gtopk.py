@@ -22,7 +22,12 @@ their sets (at most 2k entries) instead of its k largest. A round's messages are
 byte (when P is not a power of two, the hand-back to the extra ranks is laid out for 2k), and what would
 have been cut goes to the weights instead of back to the residuals; at P = 2 the step applies both ranks'
 selections (as topk does, in gtopk's wire). The update is then up to 2k-sparse.
+
+On a GPU the selection (exactly k entries, ascending indices) goes to the collective as a canonical set, and
+the plain message's rounds (no bitmap, no 4-bit values, not ``exact``, no final union) merge in fixed-size
+tensor ops on the device: no host copy, bit for bit the host's merge (``comm.gtopk_allreduce(canonical=True)``).
 """
+import os
 
 from bagua_lite import comm, kernels
 from bagua_lite import cost_model as cm
@@ -72,12 +77,18 @@ class GTopK(ErrorFeedbackSparsifier):
             local = (L + (1 if P > core else 0)) * 2 * k * merge + k * machine.add_s_per_elem
         return (b, lat, crit), local
 
+    def init(self, model):
+        super().init(model)
+        # The selection's output is canonical with exactly k entries: on a GPU the rounds merge in tensor ops
+        # there, with no host copy (BAGUA_LITE_TENSOR_ROUNDS=1: on any device, as the CPU tests run them)
+        self._canonical = model.buckets[0].device.type == "cuda" or os.environ.get("BAGUA_LITE_TENSOR_ROUNDS") == "1"
+
     def aggregate(self, values, indices, acc, flat, bucket):
         k = values.numel()
         # value_bits=4 overwrites values with what of this rank's contribution the result kept (decoded levels).
         g_values, g_indices = comm.gtopk_allreduce(values, indices, k, group=self.process_group, exact=self.exact,
                                                    numel=flat.numel(), value_bits=self.value_bits,
-                                                   final_union=self.final_union,
+                                                   final_union=self.final_union, canonical=self._canonical,
                                                    out=self.result_out(bucket, 2 * k if self.final_union else k))
         # Error feedback forgets what this rank sent and the global set kept (exact or not).
         if self.value_bits is None:

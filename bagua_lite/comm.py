@@ -254,7 +254,7 @@ def _out_pair(out, fn):
 def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=None,
                     exact: bool = False, numel: Optional[int] = None,
                     value_bits: Optional[int] = None, final_union: bool = False,
-                    out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    out=None, canonical: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """Global Top-k of the ranks' sparse sets (gTop-k S-SGD), by recursive doubling.
 
     In round r each rank swaps its k (value, index) pairs with rank XOR 2^r, sums equal indices and
@@ -279,6 +279,13 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
 
     ``out``: ``(values_buffer, indices_buffer)``, as :func:`sparse_allgather`'s (k entries at most, 2k with
     ``final_union``).
+
+    ``canonical=True``: the caller guarantees that ``(values, indices)`` holds exactly k entries with strictly
+    ascending indices (as :func:`bagua_lite.kernels.topk` returns them); it is not checked, since that would
+    read the indices back. With values in their dtype, an index list (density at most 1/32), ``exact`` and
+    ``final_union`` False, every set then holds exactly k entries and the rounds run as fixed-size tensor ops
+    where the tensors lie: on a GPU, no host copy and no host synchronisation. The messages and the result are
+    bit for bit those of the host's merge.
     """
     if not isinstance(k, int) or isinstance(k, bool):
         raise TypeError(f"bagua_lite.comm.gtopk_allreduce: k must be an int, got {type(k).__name__}")
@@ -292,8 +299,10 @@ def gtopk_allreduce(values: torch.Tensor, indices: torch.Tensor, k: int, group=N
     pg = resolve_group(group, "gtopk_allreduce")
     check_device(values, pg, "gtopk_allreduce", "values")
     out_values, out_indices = _out_pair(out, "gtopk_allreduce")
+    if not isinstance(canonical, bool):
+        raise TypeError(f"bagua_lite.comm.gtopk_allreduce: canonical must be a bool, got {canonical!r}")
     return tuple(_C.gtopk_allreduce(pg, values, indices, k, bool(exact), -1 if numel is None else numel,
-                                    value_bits or 0, final_union, out_values, out_indices))
+                                    value_bits or 0, final_union, out_values, out_indices, canonical))
 
 
 def broadcast(t: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:

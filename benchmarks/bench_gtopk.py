@@ -5,6 +5,8 @@ Spawns P gloo processes on loopback for each world size. Each rank draws its own
 per call (all ranks released by a barrier; a call's time is the slowest rank's):
 
 * ``gtopk_allreduce(values, indices, k)``   recursive doubling, 2k*(4+4)*log2(P) bytes per core rank
+* ``... canonical=True``                    the same rounds as fixed-size tensor ops (what a GPU runs: no
+                                            host copy), the same bytes
 * ``sparse_allreduce(values, indices, n, out=buf)``  one allgather of (P-1) * k*(4+4) bytes per rank
 * ``allreduce(dense)``                      ring allreduce of the whole n-element gradient
 
@@ -80,6 +82,7 @@ def _worker(rank, P, init_file, sizes, density, repeats, dense_repeats, warmup, 
             dense = torch.empty_like(x)
             rows = {
                 "gtopk_allreduce": timed(lambda: comm.gtopk_allreduce(vals, idx, k), repeats),
+                "gtopk canonical": timed(lambda: comm.gtopk_allreduce(vals, idx, k, canonical=True), repeats),
                 "sparse_allreduce": timed(lambda: comm.sparse_allreduce(vals, idx, n, out=dense), repeats),
                 "allreduce (dense)": timed(lambda: comm.allreduce(dense.copy_(x), op="sum"), dense_repeats),
             }
@@ -115,13 +118,13 @@ def report(P, results, sizes):
     lines = []
     for n in sizes:
         k = results[(n, 0)][0]
-        for name in ("gtopk_allreduce", "sparse_allreduce", "allreduce (dense)"):
+        for name in ("gtopk_allreduce", "gtopk canonical", "sparse_allreduce", "allreduce (dense)"):
             per_rank = [results[(n, r)][1][name] for r in range(P)]
             reps = len(per_rank[0][0])
             slowest = [max(per_rank[r][0][i] for r in range(P)) for i in range(reps)]
             med_ms = statistics.median(slowest) * 1e3
             sent = [per_rank[r][1] for r in range(P)]
-            if name == "gtopk_allreduce":
+            if name.startswith("gtopk"):
                 want = [gtopk_formula(r, P, k) for r in range(P)]
             elif name == "sparse_allreduce":
                 want = [sparse_formula(P, k)] * P

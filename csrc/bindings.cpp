@@ -254,7 +254,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
         py::arg("exact"), py::arg("numel") = -1, py::arg("value_bits") = 0,
         py::arg("final_union") = false, py::arg("out_values") = py::none(), py::arg("out_indices") = py::none(),
-        release());
+        py::arg("canonical") = false, release());
   m.def("shift_one_partner", &coll::shift_one_partner, py::arg("rank"), py::arg("size"), py::arg("step"));
 
   // ---- engine ----

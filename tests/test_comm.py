@@ -441,6 +441,58 @@ def test_gtopk_allreduce(cluster):
     assert all(r == res[0] for r in res), "ranks differ bitwise after gtopk_allreduce"
 
 
+def _r_gtopk_canonical(rank, P, seed):
+    """canonical=True (the rounds as fixed-size tensor ops, as on a GPU) against the host's merge, bit for bit:
+    the result, the bytes sent, and the out= buffers, over dtypes and inputs made for ties (integer values,
+    all equal, sums to zero and -0.0), overlap (disjoint, identical, random) and k up to the bitmap's bound."""
+    numel, hashes = 5000, {}
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for case in ("normal", "integers", "equal", "zeros", "disjoint", "identical"):
+            for k in (1, 7, 64, 156, 157):  # 157: a bitmap is smaller, the host path runs either way
+                g = _gen(seed, 0 if case == "identical" else rank, 300 + k)
+                if case == "disjoint":
+                    pool = torch.randperm(numel, generator=_gen(seed, 0, 301))[rank::P]
+                    idx = pool[torch.randperm(pool.numel(), generator=g)[:k]]
+                else:
+                    idx = torch.randperm(numel if case != "equal" else 2 * k, generator=g)[:k]
+                idx = idx.sort().values.to(torch.int32)
+                if case in ("integers", "disjoint"):
+                    val = torch.randint(-3, 4, (k,), generator=g).to(dtype)
+                elif case == "equal":
+                    val = torch.full((k,), -1.5 if rank % 2 else 1.5, dtype=dtype)
+                elif case == "zeros":
+                    val = torch.where(torch.rand(k, generator=g) < 0.5, -0.0, 0.0).to(dtype)
+                    val[::5] = 2.0 * (rank + 1)
+                else:
+                    val = torch.randn(k, generator=g, dtype=torch.float64).to(dtype)
+                key = (str(dtype), case, k)
+                got = []
+                for canonical in (False, True):
+                    C.reset_traffic()
+                    v, i = C.gtopk_allreduce(val.clone(), idx.clone(), k, numel=numel, canonical=canonical)
+                    got.append((v.view(torch.uint8 if dtype != torch.float64 else torch.int64).clone(), i.clone(),
+                                C.bytes_sent()))
+                (hv, hi, hb), (tv, ti, tb) = got
+                assert torch.equal(hi, ti) and torch.equal(hv, tv) and hb == tb, key
+                assert ti.numel() == k and torch.all(ti[1:] > ti[:-1]), key
+                hashes[key] = (_sha(tv), _sha(ti))
+    # out= buffers kept across calls, and numel not given (an index list whatever k)
+    val = _data(seed, rank, 40, tag=310)
+    idx = torch.randperm(900, generator=_gen(seed, rank, 311))[:40].sort().values.to(torch.int32)
+    out = (torch.empty(64), torch.empty(64, dtype=torch.int32))
+    v, i = C.gtopk_allreduce(val.clone(), idx.clone(), 40, out=out, canonical=True)
+    hv, hi = C.gtopk_allreduce(val.clone(), idx.clone(), 40)
+    assert v.data_ptr() == out[0].data_ptr() and i.data_ptr() == out[1].data_ptr()
+    assert torch.equal(v, hv) and torch.equal(i, hi)
+    hashes["out"] = (_sha(v), _sha(i))
+    return hashes
+
+
+def test_gtopk_allreduce_canonical_rounds_equal_the_host_merge(cluster):
+    res = cluster.run(_r_gtopk_canonical, SEED)
+    assert all(r == res[0] for r in res), "ranks differ bitwise after gtopk_allreduce(canonical=True)"
+
+
 def _q4(v):
     """4-bit round trip of a canonical set's values as documented: per block of 64, levels round(v / s) in
     [-7, 7] with s = the block's largest magnitude / 7 (float32 arithmetic), decoded as level * s."""
@@ -601,6 +653,8 @@ def _r_bad_args(rank, P, seed):
     e = msgs.append
     # gtopk
     e(_expect(VE, r"gtopk_allreduce: k must be >= 0, got -1", C.gtopk_allreduce, f32, i32, -1))
+    e(_expect(TypeError, r"gtopk_allreduce: canonical must be a bool, got 1", C.gtopk_allreduce, f32, i32, 1,
+              canonical=1))
     e(_expect(TE, r"k must be an int, got float", C.gtopk_allreduce, f32, i32, 2.0))
     e(_expect(TE, r"k must be an int, got bool", C.gtopk_allreduce, f32, i32, True))
     e(_expect(VE, r"`values` has 8 elements but `indices` has 7; they must match", C.gtopk_allreduce, f32,

@@ -50,13 +50,17 @@ std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, c
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.
 // numel (>= 0: the dense length) lets the indices travel as a bitmap where that is smaller; value_bits = 4
 // sends 4-bit values (a scale per 64) and overwrites `values` with what of this rank's contribution the
-// result kept. out_values / out_indices: as sparse_allgather's.
+// result kept. out_values / out_indices: as sparse_allgather's. canonical: the caller guarantees that the
+// input is a canonical set of exactly k entries (unchecked); for the plain message (value_bits 0, an index
+// list, not exact, no final union) the rounds then run in tensor ops where the tensors lie, reading nothing
+// back (a GPU's: no host copy), with the same messages and result as otherwise.
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact,
                                                    int64_t numel = -1, int64_t value_bits = 0,
                                                    bool final_union = false,
                                                    const std::optional<at::Tensor>& out_values = std::nullopt,
-                                                   const std::optional<at::Tensor>& out_indices = std::nullopt);
+                                                   const std::optional<at::Tensor>& out_indices = std::nullopt,
+                                                   bool canonical = false);
 
 // The partner of `rank` at `step` in the shift_one schedule (one partner that rotates with `step`; a
 // round-robin schedule, one rank idle per step when P is odd), or -1 if it sits this step out.

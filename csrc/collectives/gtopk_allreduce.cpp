@@ -35,6 +35,7 @@
 
 #include "collectives/collectives.h"
 #include "kernels/sparse.h"
+#include "kernels/topk.h"
 
 namespace bagua_lite {
 namespace collectives {
@@ -286,14 +287,126 @@ struct GTopK : Buffers<T> {
   }
 };
 
+// The rounds in tensor ops, for the plain message (values in their dtype, then k int32 indices) of an input
+// known canonical with exactly k entries (the selection's output: not checked, which would read it). Every
+// set then holds exactly k entries (a union of two k-sets has at least k distinct indices), so every size is
+// fixed and nothing is read back: on a GPU no host copy and no synchronisation. The messages and the result
+// are bit for bit the host path's.
+class TensorRounds {
+ public:
+  TensorRounds(const at::Tensor& values, const at::Tensor& indices, int64_t k)
+      : k_(k), dtype_(values.scalar_type()), vbytes_(k * values.element_size()), v_(values), i_(indices) {}
+
+  int64_t msg_bytes() const { return vbytes_ + 4 * k_; }
+
+  void pack(at::Tensor& wire) const {
+    wire.narrow(0, 0, vbytes_).copy_(v_.view(at::kByte));
+    wire.narrow(0, vbytes_, 4 * k_).copy_(i_.view(at::kByte));
+  }
+
+  // The set as a received message holds it (the unfold's hand-back).
+  void unpack(const at::Tensor& wire) {
+    v_ = typed(wire.narrow(0, 0, vbytes_), dtype_).clone();
+    i_ = typed(wire.narrow(0, vbytes_, 4 * k_), at::kInt).clone();
+  }
+
+  // merge_topk_raw's result, from fixed-size steps: (1) the union in index order, each entry's slot its own
+  // position plus the other set's entries below it (an index both hold: this set's entry first, as
+  // merge_topk_raw adds them); (2) the first slot of such a pair takes the sum, the second drops out; (3) the
+  // live entries compacted in index order, zeros behind them (a padding slot loses every tie to a live one,
+  // which lies below it, and the union has at least k entries); (4) merge_topk_raw's own selection on that:
+  // the k largest magnitudes, ties to the lower index, in index order.
+  void merge(const at::Tensor& wire) {
+    const int64_t m = 2 * k_;
+    const at::Tensor rv = typed(wire.narrow(0, 0, vbytes_), dtype_);
+    const at::Tensor ri = typed(wire.narrow(0, vbytes_, 4 * k_), at::kInt);
+    const auto lin = at::arange(k_, i_.options().dtype(at::kLong));
+    const auto at_own = lin + at::searchsorted(ri, i_, /*out_int32=*/false, /*right=*/false);
+    const auto at_recv = lin + at::searchsorted(i_, ri, /*out_int32=*/false, /*right=*/true);
+    auto idx = at::empty({m}, i_.options());
+    auto val = at::empty({m}, v_.options());
+    idx.index_copy_(0, at_own, i_).index_copy_(0, at_recv, ri);
+    val.index_copy_(0, at_own, v_).index_copy_(0, at_recv, rv);
+    const auto pair = idx.narrow(0, 1, m - 1).eq(idx.narrow(0, 0, m - 1));  // slots t and t + 1: one index
+    auto head = val.narrow(0, 0, m - 1);
+    head.copy_(at::where(pair, head + val.narrow(0, 1, m - 1), head));
+    auto dead = at::zeros({m}, pair.options());
+    dead.narrow(0, 1, m - 1).copy_(pair);
+    const auto dest = at::where(dead, (m - 1) - (dead.cumsum(0) - 1), dead.logical_not().cumsum(0) - 1);
+    auto compact_v = at::empty({m}, v_.options()).index_copy_(0, dest, val.masked_fill(dead, 0));
+    auto compact_i = at::empty({m}, i_.options()).index_copy_(0, dest, idx);
+    auto kept_v = at::empty({k_}, v_.options());
+    auto kept_at = at::empty({k_}, i_.options());
+    kernels::topk_out(compact_v, k_, kept_v, kept_at);
+    v_ = kept_v;
+    i_ = compact_i.index_select(0, kept_at);
+  }
+
+  const at::Tensor& values() const { return v_; }
+  const at::Tensor& indices() const { return i_; }
+
+ private:
+  static at::Tensor typed(const at::Tensor& bytes, at::ScalarType t) {
+    return bytes.storage_offset() % at::elementSize(t) == 0 ? bytes.view(t) : bytes.clone().view(t);
+  }
+
+  const int64_t k_;
+  const at::ScalarType dtype_;
+  const int64_t vbytes_;
+  at::Tensor v_, i_;
+};
+
+// gtopk_allreduce for TensorRounds: the host path's schedule (fold, recursive doubling, hand-back) and tags.
+void tensor_rounds(const ProcessGroupPtr& pg, TensorRounds& set, const at::Device& dev) {
+  const int64_t P = pg->getSize(), me = pg->getRank();
+  int64_t core = 1;
+  while (core * 2 <= P) core *= 2;
+  auto send = scratch_bytes(Slot::kSend, set.msg_bytes(), dev);
+  auto recv = scratch_bytes(Slot::kRecv, set.msg_bytes(), dev);
+  if (me >= core) {
+    set.pack(send);
+    pg_send(pg, send, me - core, 0);
+  } else if (me + core < P) {
+    pg_recv(pg, recv, me + core, 0);
+    set.merge(recv);
+  }
+  if (me < core) {
+    int tag = 1;
+    for (int64_t dist = 1; dist < core; dist *= 2, ++tag) {
+      set.pack(send);
+      pg_exchange(pg, send, recv, me ^ dist, tag);
+      set.merge(recv);
+    }
+  }
+  if (me >= core) {
+    pg_recv(pg, recv, me - core, 1 << 20);
+    set.unpack(recv);
+  } else if (me + core < P) {
+    set.pack(send);
+    pg_send(pg, send, me + core, 1 << 20);
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> gtopk_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                    const at::Tensor& indices, int64_t k, bool exact, int64_t numel,
                                                    int64_t value_bits, bool final_union,
                                                    const std::optional<at::Tensor>& out_values,
-                                                   const std::optional<at::Tensor>& out_indices) {
+                                                   const std::optional<at::Tensor>& out_indices, bool canonical) {
   BL_CHECK(numel >= -1, "gtopk_allreduce: numel must be >= 0 (or -1: not given), got ", numel);
+  // The plain message of a canonical k-set: the rounds in tensor ops where the tensors lie (nothing read back)
+  const bool bitmap = numel >= 0 && (numel + 7) / 8 < 4 * k;
+  if (canonical && value_bits == 0 && !exact && !final_union && !bitmap && k > 0 && values.numel() == k) {
+    kernels::check_sparse_args(values, indices, numel, "gtopk_allreduce", /*contents=*/false);
+    TensorRounds set(values, indices, k);
+    if (pg->getSize() > 1) tensor_rounds(pg, set, values.device());
+    auto out_i = result_buffer(out_indices, k, indices.options(), "gtopk_allreduce", "out_indices");
+    auto out_v = result_buffer(out_values, k, values.options(), "gtopk_allreduce", "out_values");
+    out_i.copy_(set.indices());
+    out_v.copy_(set.values());
+    return {out_v, out_i};
+  }
   kernels::check_sparse_args(values, indices, numel, "gtopk_allreduce");
   BL_CHECK(k >= 0, "gtopk_allreduce: k must be >= 0, got ", k);
   BL_CHECK(value_bits == 0 || value_bits == 4, "gtopk_allreduce: value_bits must be 0 (the values' dtype) or 4, got ",

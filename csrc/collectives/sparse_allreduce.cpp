@@ -48,6 +48,13 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
   if (fixed_k >= 0) {
     BL_CHECK(k == fixed_k, fn, ": k=", fixed_k, " but this rank (", me, ") passes ", k,
              " values; with k given, every rank sends exactly k pairs");
+  }
+  if (P == 1) {  // its own pairs, as they are: nothing to check against a peer, nothing to copy or read back
+    ks.assign(1, k);
+    if (k > 0) each(0, values, indices);
+    return;
+  }
+  if (fixed_k >= 0) {
     ks.assign(P, fixed_k);
     kmax = fixed_k;
     hdr = sizeof(head);  // k = 0 still exchanges the headers: a peer that holds pairs is caught, not awaited
