@@ -215,12 +215,17 @@ def _algorithm(label):
 
 
 def _r_peer_fault(rank, P, label, victim, how, timeout_s):
+    # every rank's first 4 steps end before the victim fails: a survivor slower than the victim would otherwise
+    # meet the failure there (an algorithm's own thread, async averaging's, talks to the victim meanwhile).
+    # On a group of its own: the model's group may carry an algorithm thread's collective at any time.
+    ready = dist.new_group(backend="gloo")
     net = _net()
     opt = (torch.optim.Adam(net.parameters(), lr=1e-3) if label == "qadam"
            else torch.optim.SGD(net.parameters(), lr=0.05))
     model = bagua_lite.DistributedModel(net, opt, _algorithm(label), bucket_size_mb=0.001)
     for s in range(4):
         _step(model, opt, rank, s)
+    dist.barrier(group=ready)
     if rank == victim:
         if how == "kill":
             os._exit(1)
