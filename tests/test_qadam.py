@@ -14,6 +14,7 @@
 * errors: a non-Adam optimizer (TypeError naming it), amsgrad / maximize, a bad compression or
   warm-up, and a step without a synchronised backward after warm-up.
 """
+import copy
 import os
 import re
 
@@ -202,6 +203,46 @@ def _resume(rank, total=10, cut=6):
     assert torch.equal(_flat(net2), want), "resumed run differs from the uninterrupted one"
 
 
+def _step_count_reads(rank):
+    """Adam's step count (on the device under a fused or capturable Adam, where each read is a host
+    synchronisation) is read once per parameter, at the freeze, then counted by qadam; a load_state_dict
+    (new step tensors) is read again once. Weights and counts equal those of reading it at every step."""
+    import bagua_lite.algorithms.parts.frozen_adam as frozen_adam
+    reads, real_read, real_count = [], frozen_adam.host_read, frozen_adam.FrozenAdam._count
+
+    def counted(t):
+        reads.append(t)
+        return real_read(t)
+
+    def train(fused):
+        net, opt, model = _model("adamw", {"weight_decay": 0.05, "fused": fused}, warmup_steps=WARMUP)
+        per_step = []
+        for s in range(WARMUP + 5):
+            if s == WARMUP + 4:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new step tensors: read again
+            del reads[:]
+            _step(model, opt, rank, s)
+            per_step.append(len(reads))
+        model.close()
+        return _flat(net), [float(opt.state[p]["step"]) for p in net.parameters()], per_step
+
+    frozen_adam.host_read = counted
+    try:
+        for fused in (False, True):
+            weights, counts, per_step = train(fused)
+            n = len(counts)
+            assert per_step == [0] * WARMUP + [n, 0, 0, 0, n], (fused, per_step)
+            assert counts == [WARMUP + 5.0] * n, counts
+            frozen_adam.FrozenAdam._count = lambda self, p, step: int(real_read(step)[0])  # read every time
+            try:
+                want, want_counts, _ = train(fused)
+            finally:
+                frozen_adam.FrozenAdam._count = real_count
+            assert torch.equal(weights, want) and counts == want_counts, f"fused={fused}: counting differs"
+    finally:
+        frozen_adam.host_read = real_read
+
+
 def _errors(rank):
     def raises(exc, pattern, fn):
         with pytest.raises(exc) as info:
@@ -224,6 +265,7 @@ def _r_all(rank, P):
     for compression in ("fp16", "absmax4_test"):  # another native compressor; a user's, in Python
         _post_warmup(rank, P, "adam", 0.0, compression=compression, steps=WARMUP + 3, check_at=WARMUP + 1)
     _resume(rank)
+    _step_count_reads(rank)
     return losses
 
 

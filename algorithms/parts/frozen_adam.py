@@ -13,6 +13,8 @@ B = max(1, (1 - beta1) / sqrt(1 - beta2)): no coordinate steps further than Adam
 """
 import torch
 
+from bagua_lite.bucket import host_read
+
 
 class FrozenAdam:
     def __init__(self, opt, params):
@@ -31,6 +33,11 @@ class FrozenAdam:
         # scratch buffer for the step: nothing of the model's size is allocated per step
         self._denoms = {}
         self._scratch = {}
+        # param -> (its optimizer step tensor, the count it holds): a fused or capturable Adam keeps the count
+        # on the device, where reading it for the bias corrections would be a host synchronisation per
+        # parameter per step. It is read once (at the freeze; again when the tensor is another: a
+        # load_state_dict), then counted here as this class advances it.
+        self._steps = {}
         for p in params:
             key = (p.dtype, p.device)
             if key not in self._scratch or self._scratch[key].numel() < p.numel():
@@ -59,12 +66,14 @@ class FrozenAdam:
                         continue  # (no Adam state yet: an ordinary Adam step on the averaged gradient)
                     state = self._state(p)
                     state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
+                    taken = self._count(p, state["step"])
                     if freeze or p not in self._denoms:  # the freeze (or a resume)
                         if freeze:
-                            state["exp_avg_sq"].div_(1 - beta2 ** float(state["step"]))
+                            state["exp_avg_sq"].div_(1 - beta2 ** float(taken))
                         self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
-                    state["step"] += 1
-                    t = float(state["step"])
+                    state["step"] += 1  # in place on a tensor: on its device
+                    self._steps[p] = (state["step"], taken + 1)
+                    t = float(taken + 1)
                     if wd and self._decoupled(group):
                         p.mul_(1 - lr * wd)
                     # m_hat / (sqrt(v_hat) + eps), at most Adam's own largest step: B = max(1, (1 - beta1) /
@@ -77,6 +86,14 @@ class FrozenAdam:
                     ratio.clamp_(-bound, bound)
                     p.add_(ratio, alpha=-lr / (1 - beta1 ** t))
                     p.grad = None  # torch's Adam.step skips it
+
+    def _count(self, p, step):
+        """The Adam steps ``step`` (the optimizer's count of p) holds: this class's own count of it while it is
+        the tensor advanced last, else read (one host read)."""
+        known = self._steps.get(p)
+        if known is not None and known[0] is step:
+            return known[1]
+        return int(host_read(step)[0]) if isinstance(step, torch.Tensor) else int(step)
 
     def _decoupled(self, group):
         return group.get("decoupled_weight_decay", isinstance(self.opt, torch.optim.AdamW))

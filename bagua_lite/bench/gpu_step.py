@@ -65,7 +65,8 @@ ROWS = {
 #: the row it repeats
 FUSED = {f"{row} fused": row for row in ("plain", "ddp", "gradient_allreduce", "gradient_allreduce fp16",
                                          "gradient_allreduce uint8", "gradient_allreduce sign", "topk 0.001",
-                                         "gtopk 0.001", "powersgd r4", "local_sgd period 8", "diloco period 8")}
+                                         "gtopk 0.001", "powersgd r4", "qadam", "local_sgd period 8",
+                                         "diloco period 8")}
 ROWS.update({row: ROWS[base] for row, base in FUSED.items()})
 
 
