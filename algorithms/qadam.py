@@ -110,6 +110,7 @@ class QAdam(Algorithm):
         if not synced:
             raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
                                "first (its momentum is what the ranks exchange)")
-        refuse_changed(self.name, self.model.buckets, "After the warm-up .grad holds the ranks' averaged Adam "
-                       "momentum", "leave .grad as backward left it", self.model.grad_scaler)
+        # read here (not late): the frozen Adam update below does not skip with a fused optimizer's found_inf
+        refuse_changed(self.name, self.model, self.model.buckets, "After the warm-up .grad holds the ranks' "
+                       "averaged Adam momentum", "leave .grad as backward left it")
         self.adam.step(freeze=self.step == self.warmup_steps)

@@ -109,23 +109,43 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def refuse_changed(who: str, buckets, holds: str, instead: str, scaler=None) -> None:
+def refuse_changed(who: str, model, buckets, holds: str, instead: str, late: bool = False) -> None:
     """Raise if any of ``buckets`` was changed in place since it was sealed, for an algorithm whose ``.grad``
     ``holds`` more than a gradient: clipping it, or the ``unscale_`` of a loss scaler the model does not
     know, would not do what it does under DDP, and would train differently without a word. The ``unscale_``
-    of the model's own ``scaler`` is expected (the model handed ``.grad`` over at the scaler's scale). Every
-    rank runs the same check, so every rank refuses; ``instead``: what the user can do."""
+    of the model's own ``grad_scaler`` is expected (the model handed ``.grad`` over at the scaler's scale).
+    Every rank runs the same check, so every rank refuses; ``instead``: what the user can do.
+
+    What the host cannot tell (no version counter moved) is a 0-d answer on the device. ``late``: the
+    algorithm's own update skips with a fused optimizer's ``found_inf``, so where the model's verdict can
+    take the answer there (``DeviceVerdict.refuse_late``) the step is skipped on the device and the error
+    comes a step late, with no host read; else the answer is read here."""
+    scaler = model.grad_scaler
     scales = _compat.scaler_scales(scaler)
     inv = None if scales is None else scales[1]
-    # one read for every bucket (one host synchronisation on a GPU, where a check per bucket made one each)
     seen = [b.changed(inv) for b in buckets]
     on_device = [d for d in seen if not isinstance(d, bool)]
-    if any(d is True for d in seen) or (on_device and any(host_read(torch.stack(on_device)))):
+
+    def error(step=None):
         scaler_hint = "; with a GradScaler, pass it: DistributedModel(..., grad_scaler=scaler)" if scaler is None \
             else " (the unscale_ of the model's grad_scaler is no change)"
-        raise RuntimeError(f"{who}: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."
-                           f"clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own edit). {holds}, not "
-                           f"a gradient, so the change would not be what it is under DDP; {instead}{scaler_hint}")
+        when = "" if step is None else (
+            f" The fused {type(model.optimizer).__name__} skipped step {step} on the device on every rank (weights "
+            f"and optimizer state are as before it); this error comes a step late, as the check stayed there.")
+        return (f"{who}: .grad was changed in place between backward and optimizer.step() (torch.nn.utils."
+                f"clip_grad_norm_/clip_grad_value_, GradScaler's unscale_, or your own edit). {holds}, not "
+                f"a gradient, so the change would not be what it is under DDP; {instead}{scaler_hint}.{when}")
+    if any(d is True for d in seen):
+        raise RuntimeError(error())
+    if not on_device:
+        return
+    # one answer for every bucket (one host synchronisation on a GPU, where a check per bucket made one each)
+    answer = torch.stack(on_device).any()
+    verdict = getattr(model, "_verdict", None)
+    if late and verdict is not None and verdict.refuse_late(model.optimizer, answer, model.algorithm.step, error):
+        return
+    if host_read(answer)[0]:
+        raise RuntimeError(error())
 
 
 def plan_buckets(params: List[torch.nn.Parameter], bucket_bytes: int) -> List[List[torch.nn.Parameter]]:

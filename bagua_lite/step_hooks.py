@@ -160,11 +160,14 @@ class StepHooks:
                 f"the inf/NaN: learning rate, loss, inputs")
 
     def _raise_skipped_on_device(self):
-        """A step the fused optimizer skipped on the device for a non-finite result (bagua_lite.verdict):
-        raise its error now, once."""
+        """A step the fused optimizer skipped on the device for a non-finite result or an algorithm's refusal
+        (bagua_lite.verdict): raise its error now, once."""
         skipped = None if self._verdict is None else self._verdict.skipped_step()
         if skipped is not None:
             raise FloatingPointError(self._result_error(*skipped, late=True))
+        refused = None if self._verdict is None else self._verdict.refused_step()
+        if refused is not None:  # an algorithm's refusal the fused optimizer applied (bucket.refuse_changed)
+            raise RuntimeError(refused)
 
     def _after_step(self):
         if self._verdict is not None:

@@ -91,6 +91,7 @@ class DeviceVerdict:
         self.pending = False  # this round's verdict is on the device, for optimizer.step() to hand over
         self._late = None  # ((host copy, event or None), step, local): a verdict a fused optimizer applied
         self._set_on = None  # the optimizer whose found_inf is ours during its step
+        self._refused = None  # ((host copy, event or None), step, error): a refusal a fused optimizer applied
 
     def begin_round(self, algorithm, optimizer, scaled: bool, sharded: bool = False) -> bool:
         """Whether this round's verdict stays on the device (the checks deferred, no fault tolerance): an
@@ -174,6 +175,29 @@ class DeviceVerdict:
         self._late = self._copy_for_later(), step, True
         return True
 
+    def refuse_late(self, optimizer, refused, step: int, error) -> bool:
+        """A refusal answered on the device (``refused``, a 0-d bool: ``.grad`` changed in place,
+        ``bucket.refuse_changed``) left to the fused optimizer that took this round's verdict (``hand_over``):
+        its step skips where it is set, joined to the verdict in ``found_inf``, and ``RuntimeError(error(step))``
+        comes a step late, at the next training forward. False where there is no such optimizer (its verdict
+        was read, or a GradScaler gave it the ``found_inf``, which the scaler's update would read as an
+        overflow): the caller reads it."""
+        if getattr(optimizer, "found_inf", None) is not self.found_inf:
+            return False
+        self.found_inf.copy_(torch.logical_or(self.found_inf, refused))
+        self._refused = self._copy_for_later(refused), step, error
+        return True
+
+    def refused_step(self):
+        """The error of the last refusal a fused optimizer applied on the device (``refuse_late``), or None."""
+        if self._refused is None:
+            return None
+        (host, event), step, error = self._refused
+        self._refused = None
+        if event is not None:
+            event.synchronize()
+        return error(step) if bool(host) else None
+
     def clear(self) -> None:
         """Take back the ``found_inf`` given for a step (after it, or at the next one's start)."""
         if self._set_on is not None:
@@ -181,11 +205,12 @@ class DeviceVerdict:
                 del self._set_on.found_inf
             self._set_on = None
 
-    def _copy_for_later(self):
-        if self.found_inf.device.type != "cuda":
-            return self.found_inf.clone(), None
-        host = torch.empty((), dtype=torch.float32, pin_memory=True)
-        host.copy_(self.found_inf, non_blocking=True)
+    def _copy_for_later(self, t=None):
+        t = self.found_inf if t is None else t
+        if t.device.type != "cuda":
+            return t.clone(), None
+        host = torch.empty((), dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
         return host, event
@@ -207,3 +232,6 @@ class DeviceVerdict:
         skipped = self.skipped_step()
         if skipped is not None:
             warnings.warn(error(*skipped), RuntimeWarning, stacklevel=3)
+        refused = self.refused_step()
+        if refused is not None:
+            warnings.warn(refused, RuntimeWarning, stacklevel=3)

@@ -31,7 +31,8 @@ CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"
           "gtopk": ("gtopk", {"density": 0.25, "momentum_correction": 0}),
           "gtopk_4bit": ("gtopk", {"density": 0.25, "momentum_correction": 0, "value_bits": 4})}
 # with momentum correction (SGD's momentum, the default), which refuses a loss scaler: a fused SGD alone; the
-# algorithm's own update skips with the optimizer's, and refuse_changed reads its one answer per step
+# algorithm's own update skips with the optimizer's, and refuse_changed's answer joins the verdict there (the
+# checks that answer at once read it once per step)
 MOMENTUM_CORRECTED = {"topk_mc": ("topk", {"density": 0.25}), "gtopk_mc": ("gtopk", {"density": 0.25})}
 # relaxations whose gradients stay local: only the bad rank skips, through its scaler or its fused optimizer
 LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
@@ -118,8 +119,9 @@ def test_verdict_stays_in_the_result(clusters, P, driver):
     fused, scaler_on = DRIVERS[driver]
     res = clusters.get(P).run(_r_both, driver, timeout=240)
     for codec in _codecs(driver):
-        # momentum correction's refuse_changed: one read of its in-place check per step it applies a kept round
-        changed = (STEPS if codec in MOMENTUM_CORRECTED else 0, STEPS - 1 if codec in MOMENTUM_CORRECTED else 0)
+        # momentum correction's refuse_changed at once: one read of its in-place check per step it applies a
+        # kept round; on the device none (its answer goes to the fused optimizer's found_inf)
+        changed = (0, STEPS - 1 if codec in MOMENTUM_CORRECTED else 0)
         for r in range(P):
             at_once, device = res[r][codec]
             assert device["buckets"] >= 2, device["buckets"]
@@ -231,6 +233,73 @@ def _r_not_eligible(rank, P):
 def test_only_rounds_whose_state_is_put_back_on_the_device_leave_their_verdict_there(clusters):
     for out in clusters.get(2).run(_r_not_eligible, timeout=120):
         assert out == (False, ["result", "result", "flags", "flags", "flags"], ["flags", "flags", "flags", ""]), out
+
+
+def _r_changed_in_place(rank, P, name, deferred):
+    """Momentum correction (.grad holds the corrected update) under a fused SGD: at step CHANGED every rank
+    edits .grad through .data (no version counter moves, so only the values tell). At once: step() refuses
+    with nothing applied. On the device: the fused SGD and the algorithm's own update skip the step there,
+    the error comes at the next forward, and nothing is read."""
+    from bagua_lite import bucket
+    reads, read = [], bucket.host_read
+    bucket.host_read = lambda t: reads.append(1) or read(t)
+    if deferred:
+        os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=True)
+        model = bagua_lite.DistributedModel(net, opt, build(name, density=0.25), bucket_size_mb=0.002)
+        weights, errors = [], []
+        for s in range(CHANGED + 2):
+            x = torch.randn(16, 12, generator=torch.Generator().manual_seed(rank * 7919 + s * 31 + 5))
+            try:
+                loss = F.cross_entropy(model(x), (x[:, :5] * 3).argmax(1))
+            except RuntimeError as e:
+                errors.append(("forward", s, str(e)))
+                break
+            loss.backward()
+            if s == CHANGED:
+                for p in net.parameters():
+                    p.grad.data.mul_(0.5)
+            try:
+                opt.step()
+            except RuntimeError as e:
+                errors.append(("step", s, str(e)))
+                break
+            finally:
+                opt.zero_grad()
+            weights.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]).clone())
+        left = hasattr(opt, "found_inf")
+        model.close()
+        return weights, errors, len(reads), left
+    finally:
+        bucket.host_read = read
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+
+
+CHANGED = 3
+
+
+def _r_changed_both(rank, P, name):
+    return _r_changed_in_place(rank, P, name, False), _r_changed_in_place(rank, P, name, True)
+
+
+@pytest.mark.parametrize("P", (1, 3), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("name", ["topk", "gtopk"])
+def test_a_change_in_place_answered_on_the_device_skips_there(clusters, P, name):
+    for r, (at_once, device) in enumerate(clusters.get(P).run(_r_changed_both, name, timeout=120)):
+        assert [e[:2] for e in at_once[1]] == [("step", CHANGED)], at_once[1]
+        assert [e[:2] for e in device[1]] == [("forward", CHANGED + 1)], device[1]
+        assert at_once[2] == CHANGED + 1 and device[2] == 0, (at_once[2], device[2])  # reads
+        assert not at_once[3] and not device[3]  # no found_inf left on the optimizer
+        assert len(at_once[0]) == CHANGED and len(device[0]) == CHANGED + 1
+        for s in range(CHANGED):  # bit for bit until the change, and the changed step moved nothing
+            assert torch.equal(at_once[0][s], device[0][s]), (r, s)
+        assert torch.equal(device[0][CHANGED], device[0][CHANGED - 1]), r
+        msg = device[1][0][2]
+        assert ".grad was changed in place" in msg and f"skipped step {CHANGED} on the device" in msg, msg
+        assert "a step late" in msg and "a step late" not in at_once[1][0][2]
 
 
 def _r_last_step_bad(rank, P):

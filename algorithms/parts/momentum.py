@@ -108,10 +108,11 @@ class MomentumCorrection:
         if self._committed is not None:
             # (a loss scaler's unscale_ would also leave residuals and momenta at the old scale)
             corrected = [b for b in self.model.buckets if any(gi is not None for gi in self.group[b.index])]
-            refuse_changed(self.who, corrected, "With momentum correction (the default with SGD momentum) .grad "
-                           "holds the momentum-corrected sparse update", "set momentum_correction: 0 (then .grad is "
-                           "the sparse average of gradient plus residual and clipping clips that) or drop the change",
-                           self.model.grad_scaler)
+            # late: this update skips below with the found_inf a deferred answer joins
+            refuse_changed(self.who, self.model, corrected, "With momentum correction (the default with SGD "
+                           "momentum) .grad holds the momentum-corrected sparse update", "set momentum_correction: "
+                           "0 (then .grad is the sparse average of gradient plus residual and clipping clips that) "
+                           "or drop the change", late=True)
         committed, self._committed = self._committed, None
         groups = self.model.optimizer.param_groups
         # A fused optimizer given found_inf skips its step on the device (a round whose verdict stayed there,

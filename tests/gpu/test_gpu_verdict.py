@@ -5,7 +5,7 @@ host synchronisation on any thread (counted with ``torch.cuda.set_sync_debug_mod
 ``bench.gpu_step`` counts them), and a non-finite gradient on one rank is still skipped (dense: on every rank;
 local: on that rank alone): the weights across the bad step are bit for bit those before it, the scaler's
 scale falls, and without a scaler the error comes at the next forward. NCCL at P = 1 (held to no
-synchronisation; topk with momentum correction to its check of .grad's one read), gloo with CUDA tensors at P = 2 (counted only: gloo copies CUDA tensors through the host).
+synchronisation, topk with momentum correction too: its check of .grad joins the fused SGD's found_inf), gloo with CUDA tensors at P = 2 (counted only: gloo copies CUDA tensors through the host).
 With the CPU standing in, the same run with BAGUA_LITE_DEFER_CHECKS=1 (no count).
 """
 import os
@@ -28,9 +28,9 @@ ALGORITHMS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce"
               "topk_mc": ("topk", {"density": 0.01}),
               "local_sgd": ("local_sgd", {"period": 1000}), "diloco": ("diloco", {"period": 1000})}
 LOCAL = ("local_sgd", "diloco")  # gradients stay local: only the bad rank skips (no average in these steps)
-# host synchronisations a step makes under NCCL (P = 1: topk's exchange is its own pairs, gtopk's rounds are
-# tensor ops): momentum correction's refuse_changed reads its answer once, on the training thread
-HELD = {"topk_mc": 1}
+# host synchronisations a step makes under NCCL, where not 0 (P = 1: topk's exchange is its own pairs, gtopk's
+# rounds are tensor ops, momentum correction's refuse_changed leaves its answer in the fused SGD's found_inf)
+HELD = {}
 CASES = {f"{a} {driver}": (a, driver) for a in ALGORITHMS for driver in ("fused", "fused+scaler")
          if not (a == "topk_mc" and driver == "fused+scaler")}
 BACKENDS = [("nccl", 1), ("gloo", 2)] if DEVICE == "cuda" else [("gloo", 1), ("gloo", 2)]
