@@ -90,3 +90,29 @@ def test_gtopk_tensor_rounds_train_as_the_host_merge(clusters, P, fused):
                 assert torch.equal(w_t[BAD_STEP], w_t[BAD_STEP - 1]), (label, r)
                 assert [e[:2] for e in err_t] == [("forward", BAD_STEP + 1)], err_t
             assert not torch.equal(w_t[-1], w_t[0]), f"{label}: rank {r} did not train"
+
+
+def _r_steady(rank, P):
+    """test_allocations' watch over gtopk's steady steps with the tensor rounds (the indices as a list)."""
+    import algo_matrix
+    from test_allocations import _r_steady_allocations
+    os.environ["BAGUA_LITE_TENSOR_ROUNDS"] = "1"
+    try:
+        algo_matrix.ALGORITHMS["gtopk_tensor_rounds"] = ("gtopk", {"density": 0.02})
+        return _r_steady_allocations(rank, P, ("gtopk_tensor_rounds",))
+    finally:
+        os.environ.pop("BAGUA_LITE_TENSOR_ROUNDS", None)
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+def test_the_rounds_allocate_nothing_proportional_to_the_model(clusters, P):
+    """The merge's temporaries (2k entries and their positions) come from a scratch arena kept across calls:
+    a steady step allocates no more than the plain loop's (gloo's own buffers aside), as for every algorithm
+    in test_allocations (P = 3 folds a rank in and hands it the result)."""
+    from test_allocations import MIN_BYTES, _frames, _ours
+    problems = []
+    for rank, res in enumerate(clusters.get(P).run(_r_steady, timeout=300)):
+        for i, (step, plain_step) in enumerate(zip(res["gtopk_tensor_rounds"], res["plain"])):
+            problems += [f"rank {rank}, watched step {i}: {size} bytes at\n      {_frames(where)}"
+                         for size, where in _ours(step, plain_step)]
+    assert not problems, f"{len(problems)} allocation(s) of >= {MIN_BYTES} bytes:\n" + "\n".join(problems[:6])

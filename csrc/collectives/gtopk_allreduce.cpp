@@ -292,6 +292,45 @@ struct GTopK : Buffers<T> {
 // set then holds exactly k entries (a union of two k-sets has at least k distinct indices), so every size is
 // fixed and nothing is read back: on a GPU no host copy and no synchronisation. The messages and the result
 // are bit for bit the host path's.
+// TensorRounds' merge temporaries for k entries, carved from one scratch arena (Slot::kAux) that is kept across
+// calls: a step allocates none of them. The kept set (kept_v, kept_i) is the next round's input, read before
+// that round writes it.
+struct Space {
+  Space(int64_t k, at::ScalarType dtype, const at::Device& dev) {
+    const int64_t m = 2 * k, es = at::elementSize(dtype);
+    const int64_t sizes[] = {8 * k, 8 * k, 8 * k, 4 * m, es * m, es * m, m, m, 8 * m, 8 * m, 8 * m,
+                             es * m, 4 * m, es * k, 4 * k, 4 * k};
+    int64_t total = 0;
+    for (int64_t b : sizes) total += (b + 15) / 16 * 16;
+    const at::Tensor arena = scratch_bytes(Slot::kAux, total, dev);
+    int64_t off = 0, n = 0;
+    auto take = [&](int64_t count, at::ScalarType t) {
+      const int64_t bytes = sizes[n++];
+      at::Tensor v = arena.narrow(0, off, bytes).view(t);
+      off += (bytes + 15) / 16 * 16;
+      return v.narrow(0, 0, count);
+    };
+    lin = take(k, at::kLong);
+    at_own = take(k, at::kLong);
+    at_recv = take(k, at::kLong);
+    idx = take(m, at::kInt);
+    val = take(m, dtype);
+    sum = take(m, dtype);
+    dead = take(m, at::kBool);
+    live = take(m, at::kBool);
+    dead_rank = take(m, at::kLong);
+    live_rank = take(m, at::kLong);
+    dest = take(m, at::kLong);
+    compact_v = take(m, dtype);
+    compact_i = take(m, at::kInt);
+    kept_v = take(k, dtype);
+    kept_at = take(k, at::kInt);
+    kept_i = take(k, at::kInt);
+  }
+  at::Tensor lin, at_own, at_recv, idx, val, sum, dead, live, dead_rank, live_rank, dest, compact_v, compact_i, kept_v,
+      kept_at, kept_i;
+};
+
 class TensorRounds {
  public:
   TensorRounds(const at::Tensor& values, const at::Tensor& indices, int64_t k)
@@ -304,10 +343,11 @@ class TensorRounds {
     wire.narrow(0, vbytes_, 4 * k_).copy_(i_.view(at::kByte));
   }
 
-  // The set as a received message holds it (the unfold's hand-back).
+  // The set as a received message holds it (the unfold's hand-back: views of the wire, copied out before
+  // anything writes it again).
   void unpack(const at::Tensor& wire) {
-    v_ = typed(wire.narrow(0, 0, vbytes_), dtype_).clone();
-    i_ = typed(wire.narrow(0, vbytes_, 4 * k_), at::kInt).clone();
+    v_ = typed(wire.narrow(0, 0, vbytes_), dtype_);
+    i_ = typed(wire.narrow(0, vbytes_, 4 * k_), at::kInt);
   }
 
   // merge_topk_raw's result, from fixed-size steps: (1) the union in index order, each entry's slot its own
@@ -320,26 +360,30 @@ class TensorRounds {
     const int64_t m = 2 * k_;
     const at::Tensor rv = typed(wire.narrow(0, 0, vbytes_), dtype_);
     const at::Tensor ri = typed(wire.narrow(0, vbytes_, 4 * k_), at::kInt);
-    const auto lin = at::arange(k_, i_.options().dtype(at::kLong));
-    const auto at_own = lin + at::searchsorted(ri, i_, /*out_int32=*/false, /*right=*/false);
-    const auto at_recv = lin + at::searchsorted(i_, ri, /*out_int32=*/false, /*right=*/true);
-    auto idx = at::empty({m}, i_.options());
-    auto val = at::empty({m}, v_.options());
-    idx.index_copy_(0, at_own, i_).index_copy_(0, at_recv, ri);
-    val.index_copy_(0, at_own, v_).index_copy_(0, at_recv, rv);
-    const auto pair = idx.narrow(0, 1, m - 1).eq(idx.narrow(0, 0, m - 1));  // slots t and t + 1: one index
-    auto head = val.narrow(0, 0, m - 1);
-    head.copy_(at::where(pair, head + val.narrow(0, 1, m - 1), head));
-    auto dead = at::zeros({m}, pair.options());
-    dead.narrow(0, 1, m - 1).copy_(pair);
-    const auto dest = at::where(dead, (m - 1) - (dead.cumsum(0) - 1), dead.logical_not().cumsum(0) - 1);
-    auto compact_v = at::empty({m}, v_.options()).index_copy_(0, dest, val.masked_fill(dead, 0));
-    auto compact_i = at::empty({m}, i_.options()).index_copy_(0, dest, idx);
-    auto kept_v = at::empty({k_}, v_.options());
-    auto kept_at = at::empty({k_}, i_.options());
-    kernels::topk_out(compact_v, k_, kept_v, kept_at);
-    v_ = kept_v;
-    i_ = compact_i.index_select(0, kept_at);
+    Space w(k_, dtype_, v_.device());
+    at::arange_out(w.lin, k_);
+    at::searchsorted_out(w.at_own, ri, i_, /*out_int32=*/false, /*right=*/false).add_(w.lin);
+    at::searchsorted_out(w.at_recv, i_, ri, /*out_int32=*/false, /*right=*/true).add_(w.lin);
+    w.idx.index_copy_(0, w.at_own, i_).index_copy_(0, w.at_recv, ri);
+    w.val.index_copy_(0, w.at_own, v_).index_copy_(0, w.at_recv, rv);
+    auto pair = w.dead.narrow(0, 1, m - 1);  // slots t and t + 1 hold one index: t + 1 drops out
+    at::eq_out(pair, w.idx.narrow(0, 1, m - 1), w.idx.narrow(0, 0, m - 1));
+    w.dead.narrow(0, 0, 1).zero_();
+    auto head = w.val.narrow(0, 0, m - 1);
+    auto sum = w.sum.narrow(0, 0, m - 1);
+    at::add_out(sum, head, w.val.narrow(0, 1, m - 1));
+    at::where_out(head, pair, sum, head);
+    // live entries to their rank among the live, dead ones to the back (where they are zeros)
+    w.dead_rank.copy_(w.dead).cumsum_(0).neg_().add_(m);  // (in place: a cumsum of a bool casts to a copy)
+    at::logical_not_out(w.live, w.dead);
+    w.live_rank.copy_(w.live).cumsum_(0).sub_(1);
+    at::where_out(w.dest, w.dead, w.dead_rank, w.live_rank);
+    w.compact_v.index_copy_(0, w.dest, w.val.masked_fill_(w.dead, 0));
+    w.compact_i.index_copy_(0, w.dest, w.idx);
+    kernels::topk_out(w.compact_v, k_, w.kept_v, w.kept_at);
+    at::index_select_out(w.kept_i, w.compact_i, 0, w.kept_at);
+    v_ = w.kept_v;
+    i_ = w.kept_i;
   }
 
   const at::Tensor& values() const { return v_; }
