@@ -190,13 +190,11 @@ class DeviceVerdict:
 
     def refused_step(self):
         """The error of the last refusal a fused optimizer applied on the device (``refuse_late``), or None."""
-        if self._refused is None:
+        refused, self._refused = self._refused, None
+        if refused is None:
             return None
-        (host, event), step, error = self._refused
-        self._refused = None
-        if event is not None:
-            event.synchronize()
-        return error(step) if bool(host) else None
+        copy, step, error = refused
+        return error(step) if self._is_set(copy) else None
 
     def clear(self) -> None:
         """Take back the ``found_inf`` given for a step (after it, or at the next one's start)."""
@@ -219,13 +217,19 @@ class DeviceVerdict:
         """(step count, local) of the last step a fused optimizer skipped on the device for this verdict, or
         None (read from the copy made at that step: complete by now, or waited for, not synchronised with
         the device's later work)."""
-        if self._late is None:
+        late, self._late = self._late, None
+        if late is None:
             return None
-        (host, event), step, local = self._late
-        self._late = None
+        copy, step, local = late
+        return (step, local) if self._is_set(copy) else None
+
+    @staticmethod
+    def _is_set(copy) -> bool:
+        """Whether a ``_copy_for_later`` holds a nonzero value (complete by now, or waited for)."""
+        host, event = copy
         if event is not None:
             event.synchronize()
-        return (step, local) if float(host) != 0.0 else None
+        return bool(host)
 
     def warn_unreported(self, error) -> None:
         """At close: a step skipped on the device that no later forward reported, as a warning."""
