@@ -287,50 +287,43 @@ struct GTopK : Buffers<T> {
   }
 };
 
-// The rounds in tensor ops, for the plain message (values in their dtype, then k int32 indices) of an input
-// known canonical with exactly k entries (the selection's output: not checked, which would read it). Every
-// set then holds exactly k entries (a union of two k-sets has at least k distinct indices), so every size is
-// fixed and nothing is read back: on a GPU no host copy and no synchronisation. The messages and the result
-// are bit for bit the host path's.
 // TensorRounds' merge temporaries for k entries, carved from one scratch arena (Slot::kAux) that is kept across
 // calls: a step allocates none of them. The kept set (kept_v, kept_i) is the next round's input, read before
 // that round writes it.
 struct Space {
   Space(int64_t k, at::ScalarType dtype, const at::Device& dev) {
-    const int64_t m = 2 * k, es = at::elementSize(dtype);
-    const int64_t sizes[] = {8 * k, 8 * k, 8 * k, 4 * m, es * m, es * m, m, m, 8 * m, 8 * m, 8 * m,
-                             es * m, 4 * m, es * k, 4 * k, 4 * k};
-    int64_t total = 0;
-    for (int64_t b : sizes) total += (b + 15) / 16 * 16;
-    const at::Tensor arena = scratch_bytes(Slot::kAux, total, dev);
-    int64_t off = 0, n = 0;
-    auto take = [&](int64_t count, at::ScalarType t) {
-      const int64_t bytes = sizes[n++];
-      at::Tensor v = arena.narrow(0, off, bytes).view(t);
-      off += (bytes + 15) / 16 * 16;
-      return v.narrow(0, 0, count);
+    const int64_t m = 2 * k;
+    struct Piece {
+      at::Tensor* dst;
+      int64_t count;
+      at::ScalarType type;
     };
-    lin = take(k, at::kLong);
-    at_own = take(k, at::kLong);
-    at_recv = take(k, at::kLong);
-    idx = take(m, at::kInt);
-    val = take(m, dtype);
-    sum = take(m, dtype);
-    dead = take(m, at::kBool);
-    live = take(m, at::kBool);
-    dead_rank = take(m, at::kLong);
-    live_rank = take(m, at::kLong);
-    dest = take(m, at::kLong);
-    compact_v = take(m, dtype);
-    compact_i = take(m, at::kInt);
-    kept_v = take(k, dtype);
-    kept_at = take(k, at::kInt);
-    kept_i = take(k, at::kInt);
+    const Piece pieces[] = {{&lin, k, at::kLong},         {&at_own, k, at::kLong},     {&at_recv, k, at::kLong},
+                            {&idx, m, at::kInt},          {&val, m, dtype},            {&sum, m, dtype},
+                            {&dead, m, at::kBool},        {&live, m, at::kBool},       {&dead_rank, m, at::kLong},
+                            {&live_rank, m, at::kLong},   {&dest, m, at::kLong},       {&compact_v, m, dtype},
+                            {&compact_i, m, at::kInt},    {&kept_v, k, dtype},         {&kept_at, k, at::kInt},
+                            {&kept_i, k, at::kInt}};
+    auto bytes = [](const Piece& p) { return p.count * static_cast<int64_t>(at::elementSize(p.type)); };
+    auto aligned = [](int64_t b) { return (b + 15) / 16 * 16; };
+    int64_t total = 0;
+    for (const Piece& p : pieces) total += aligned(bytes(p));
+    const at::Tensor arena = scratch_bytes(Slot::kAux, total, dev);
+    int64_t off = 0;
+    for (const Piece& p : pieces) {
+      *p.dst = arena.narrow(0, off, bytes(p)).view(p.type);
+      off += aligned(bytes(p));
+    }
   }
   at::Tensor lin, at_own, at_recv, idx, val, sum, dead, live, dead_rank, live_rank, dest, compact_v, compact_i, kept_v,
       kept_at, kept_i;
 };
 
+// The rounds in tensor ops, for the plain message (values in their dtype, then k int32 indices) of an input
+// known canonical with exactly k entries (the selection's output: not checked, which would read it). Every
+// set then holds exactly k entries (a union of two k-sets has at least k distinct indices), so every size is
+// fixed and nothing is read back: on a GPU no host copy and no synchronisation. The messages and the result
+// are bit for bit the host path's.
 class TensorRounds {
  public:
   TensorRounds(const at::Tensor& values, const at::Tensor& indices, int64_t k)
