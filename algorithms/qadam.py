@@ -27,6 +27,7 @@ from bagua_lite import cost_model as cm
 from bagua_lite._options import compressor, int_at_least
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.bucket import refuse_changed
+from bagua_lite.verdict import scaler_set_found_inf
 
 from .parts.frozen_adam import FrozenAdam
 
@@ -66,6 +67,10 @@ class QAdam(Algorithm):
 
     def regroup(self):
         self._synced = False  # the discarded round's
+
+    #: a bad rank's bucket travels as zeros (the codecs reject NaN) and the residuals are put back on the
+    #: device where the agreed flags say so; the frozen Adam update skips with the fused Adam's found_inf
+    device_verdict = "flags"
 
     def init(self, model):
         self.adam = FrozenAdam(model.optimizer, {p for b in model.buckets for p in b.params})
@@ -107,10 +112,14 @@ class QAdam(Algorithm):
         synced, self._synced = self._synced, False
         if self.step < self.warmup_steps:
             return
+        opt = self.model.optimizer
         if not synced:
-            raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
-                               "first (its momentum is what the ranks exchange)")
-        # read here (not late): the frozen Adam update below does not skip with a fused optimizer's found_inf
-        refuse_changed(self.name, self.model, self.model.buckets, "After the warm-up .grad holds the ranks' "
-                       "averaged Adam momentum", "leave .grad as backward left it")
-        self.adam.step(freeze=self.step == self.warmup_steps)
+            if not scaler_set_found_inf(opt, self.model._verdict):
+                raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
+                                   "first (its momentum is what the ranks exchange)")
+            # else a round discarded for inf/NaN that a GradScaler's step() skips on the device (a fused Adam)
+        else:  # late: the frozen Adam update below skips with the found_inf a deferred answer joins
+            refuse_changed(self.name, self.model, self.model.buckets, "After the warm-up .grad holds the ranks' "
+                           "averaged Adam momentum", "leave .grad as backward left it", late=True)
+        self.adam.step(freeze=self.step == self.warmup_steps, found_inf=getattr(opt, "found_inf", None),
+                       grad_scale=getattr(opt, "grad_scale", None))

@@ -50,13 +50,14 @@ def mlp(sizes):
 
 
 def build_model(name, options, dtype=torch.float32, device="cpu", grad_scaler=None, sizes=(10, 24, 4),
-                weight_decay=0.0):
-    """(net, optimizer, DistributedModel): the same start on every rank; Adam for qadam, else SGD momentum."""
+                weight_decay=0.0, fused=False):
+    """(net, optimizer, DistributedModel): the same start on every rank; Adam for qadam, else SGD momentum
+    (``fused``: torch's fused kernels)."""
     import bagua_lite
     from bagua_lite.algorithms import build
     net = mlp(sizes).to(device=device, dtype=dtype)
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2) if name == "qadam" else \
-        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused) if name == "qadam" else \
+        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, weight_decay=weight_decay, fused=fused)
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001,
                                         grad_scaler=grad_scaler)
     return net, opt, model

@@ -19,13 +19,15 @@ ALGORITHMS = pick("dense", "fp16", "uint8", "sign", "topk", "gtopk", "gtopk_no_c
 STEPS = 6
 
 
-def _run(rank, name, options, scaler_scale=None, overflow_at=None):
+def _run(rank, name, options, scaler_scale=None, overflow_at=None, fused=False, unscale=True):
     """Train STEPS steps (SGD with momentum and weight decay: momentum correction folds the decay in, so a
     gradient at the wrong scale shows); with ``scaler_scale``, through a GradScaler of that (constant) scale
-    given to the model. ``overflow_at``: on rank 1, that step's loss is made infinite. Weights after every step."""
+    given to the model. ``overflow_at``: on rank 1, that step's loss is made infinite. ``fused``: torch's fused
+    optimizer; ``unscale``: the scaler's ``unscale_`` before its ``step()`` (without it, a fused optimizer
+    gets ``.grad`` at the scale and the scale itself). Weights after every step."""
     scaler = None if scaler_scale is None else \
         torch.amp.GradScaler("cpu", init_scale=scaler_scale, growth_interval=10 ** 6)
-    net, opt, model = build_model(name, options, grad_scaler=scaler, weight_decay=1e-2)
+    net, opt, model = build_model(name, options, grad_scaler=scaler, weight_decay=1e-2, fused=fused)
     history, scales = [], []
     for step in range(STEPS):
         loss = loss_of(model, rank, step)
@@ -36,7 +38,8 @@ def _run(rank, name, options, scaler_scale=None, overflow_at=None):
             opt.step()
         else:
             scaler.scale(loss).backward()
-            scaler.unscale_(opt)  # the AMP recipe's explicit unscale (where clipping would go)
+            if unscale:
+                scaler.unscale_(opt)  # the AMP recipe's explicit unscale (where clipping would go)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler.get_scale())
@@ -89,6 +92,40 @@ def test_an_overflow_on_one_rank_is_skipped_by_every_rank(clusters):
             assert torch.equal(w[3], w[2]), f"{key}, rank {r}: the overflow step moved the weights"
             assert not torch.equal(w[5], w[3]) and torch.isfinite(w[5]).all(), f"{key}, rank {r}: no training after"
             assert torch.equal(w[5], res[0][key]["weights"][5]), f"{key}: replicas differ"
+
+
+def _r_fused(rank, P, keys):
+    out = {}
+    for key in keys:
+        name, options = ALGORITHMS[key]
+        plain, _ = _run(rank, name, options, fused=True)
+        scaled, scales = _run(rank, name, options, scaler_scale=2.0 ** 12, fused=True, unscale=False)
+        skipped, skipped_scales = _run(rank, name, options, scaler_scale=2.0 ** 12, overflow_at=3, fused=True,
+                                       unscale=False)
+        out[key] = {"same": all(torch.equal(a, b) for a, b in zip(plain, scaled)), "scales": scales,
+                    "skipped": skipped, "skipped_scales": skipped_scales}
+    return out
+
+
+def test_a_fused_optimizer_stepped_by_the_scaler_alone_trains_as_without_it(clusters):
+    """The AMP recipe without ``unscale_`` (no clipping): GradScaler.step() hands a fused optimizer ``.grad`` at
+    the scale with the scale itself, and an algorithm that applies its own update in ``optimizer.step()``
+    (topk/gtopk's momentum correction, qadam after its freeze) must unscale as the fused kernel does: bit for
+    bit the run without a scaler. An overflow on one rank after qadam's freeze is skipped by every rank, the
+    frozen Adam update with it (the scaler's found_inf, on the device)."""
+    P = 2
+    keys = [key for key in ALGORITHMS if key in CENTRALIZED]
+    res = clusters.get(P).run(_r_fused, keys, timeout=300)
+    for key in keys:
+        for r in range(P):
+            o = res[r][key]
+            assert o["scales"] == [2.0 ** 12] * STEPS, (key, r, o["scales"])
+            assert o["same"], f"{key}, rank {r}: a fused optimizer under the scaler's step() differs from without it"
+            w, scales = o["skipped"], o["skipped_scales"]
+            assert scales == [2.0 ** 12] * 3 + [2.0 ** 11] * 3, (key, r, scales)
+            assert torch.equal(w[3], w[2]), f"{key}, rank {r}: the overflow step moved the weights"
+            assert not torch.equal(w[5], w[3]) and torch.isfinite(w[5]).all(), f"{key}, rank {r}: no training after"
+            assert torch.equal(w[5], res[0][key]["skipped"][5]), f"{key}: replicas differ"
 
 
 def _r_clip_refused(rank, P):

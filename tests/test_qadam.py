@@ -204,11 +204,14 @@ def _resume(rank, total=10, cut=6):
 
 
 def _step_count_reads(rank):
-    """Adam's step count (on the device under a fused or capturable Adam, where each read is a host
-    synchronisation) is read once per parameter, at the freeze, then counted by qadam; a load_state_dict
-    (new step tensors) is read again once. Weights and counts equal those of reading it at every step."""
+    """Adam's step count: under a plain Adam (a host tensor) read once per parameter, at the freeze, then
+    counted by qadam, a load_state_dict (new step tensors) read again once, with weights and counts equal to
+    those of reading it at every step; under a fused (or capturable) Adam, which keeps it on the device where
+    each read is a host synchronisation, never read: the bias corrections are made there, in fp64 from a copy of
+    the counts, and the weights are those of the host's arithmetic bit for bit (on a CPU)."""
     import bagua_lite.algorithms.parts.frozen_adam as frozen_adam
     reads, real_read, real_count = [], frozen_adam.host_read, frozen_adam.FrozenAdam._count
+    real_on_device = frozen_adam.FrozenAdam._step_on_device
 
     def counted(t):
         reads.append(t)
@@ -228,19 +231,58 @@ def _step_count_reads(rank):
 
     frozen_adam.host_read = counted
     try:
-        for fused in (False, True):
-            weights, counts, per_step = train(fused)
-            n = len(counts)
-            assert per_step == [0] * WARMUP + [n, 0, 0, 0, n], (fused, per_step)
-            assert counts == [WARMUP + 5.0] * n, counts
-            frozen_adam.FrozenAdam._count = lambda self, p, step: int(real_read(step)[0])  # read every time
-            try:
-                want, want_counts, _ = train(fused)
-            finally:
-                frozen_adam.FrozenAdam._count = real_count
-            assert torch.equal(weights, want) and counts == want_counts, f"fused={fused}: counting differs"
+        weights, counts, per_step = train(False)
+        n = len(counts)
+        assert per_step == [0] * WARMUP + [n, 0, 0, 0, n], per_step
+        assert counts == [WARMUP + 5.0] * n, counts
+        frozen_adam.FrozenAdam._count = lambda self, p, step: int(real_read(step)[0])  # read every time
+        try:
+            want, want_counts, _ = train(False)
+        finally:
+            frozen_adam.FrozenAdam._count = real_count
+        assert torch.equal(weights, want) and counts == want_counts, "counting differs from reading"
+
+        weights, counts, per_step = train(True)
+        assert per_step == [0] * (WARMUP + 5), per_step
+        assert counts == [WARMUP + 5.0] * n, counts
+        frozen_adam.FrozenAdam._step_on_device = lambda self, group, ps, freeze, found_inf: \
+            self._step_on_host(group, ps, freeze)  # the host's arithmetic on the same fused Adam
+        try:
+            want, want_counts, _ = train(True)
+        finally:
+            frozen_adam.FrozenAdam._step_on_device = real_on_device
+        assert counts == want_counts, (counts, want_counts)
+        assert torch.equal(weights, want), "the device's arithmetic differs from the host's"
     finally:
         frozen_adam.host_read = real_read
+
+
+def test_the_frozen_update_skipped_on_the_device_changes_nothing():
+    """A fused Adam's step given ``found_inf``: where it is 0, the update is the one without it, bit for bit;
+    where it is 1 (the round held inf/NaN, now in .grad), weights, m, v and step are as before, bit for bit."""
+    from bagua_lite.algorithms.parts.frozen_adam import FrozenAdam
+
+    def trained(found_inf, bad_at=None):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+        for _ in range(3):  # Adam's own warm-up
+            net(torch.randn(4, 6)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        adam, g, history = FrozenAdam(opt, set(net.parameters())), torch.Generator().manual_seed(1), []
+        for k in range(5):
+            for p in net.parameters():
+                p.grad = torch.full(p.shape, float("nan")) if k == bad_at else torch.randn(p.shape, generator=g)
+            adam.step(freeze=k == 0, found_inf=None if found_inf is None else torch.tensor(float(k == bad_at)))
+            history.append([t.clone() for t in list(net.parameters()) + [
+                opt.state[p][key] for p in net.parameters() for key in ("exp_avg", "exp_avg_sq", "step")]])
+        return history
+
+    plain, zero, skipped = trained(None), trained(0.0), trained(0.0, bad_at=2)
+    assert all(torch.equal(a, b) for x, y in zip(plain, zero) for a, b in zip(x, y)), "found_inf = 0 differs"
+    assert all(torch.equal(a, b) for a, b in zip(skipped[2], skipped[1])), "the skipped step changed something"
+    assert all(torch.isfinite(t).all() for t in skipped[-1]) and not torch.equal(skipped[-1][0], skipped[2][0])
 
 
 def _errors(rank):

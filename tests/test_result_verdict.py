@@ -34,6 +34,11 @@ CODECS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce", {"
 # algorithm's own update skips with the optimizer's, and refuse_changed's answer joins the verdict there (the
 # checks that answer at once read it once per step)
 MOMENTUM_CORRECTED = {"topk_mc": ("topk", {"density": 0.25}), "gtopk_mc": ("gtopk", {"density": 0.25})}
+# qadam after its freeze (at step 2, before BAD_STEP): its flags agreed, its residuals put back, its own frozen
+# Adam update skipped with the fused Adam's found_inf (the scaler's, or the verdict's, with refuse_changed's
+# answer joined to it); where that answer cannot join (a GradScaler's found_inf, or at once) it is read
+QADAM = {"qadam": ("qadam", {"warmup_steps": 2})}
+QADAM_CHANGED_READS = STEPS - 2 - 1  # the steps after the freeze that apply a round kept at once
 # relaxations whose gradients stay local: only the bad rank skips, through its scaler or its fused optimizer
 LOCAL = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
          "decentralized": ("decentralized", {})}
@@ -56,9 +61,10 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True, unsc
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
                                   torch.nn.Linear(32, 5))
-        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=fused)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused) if codec in QADAM else \
+            torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9, fused=fused)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
-        name, options = {**CODECS, **MOMENTUM_CORRECTED, **LOCAL}[codec]
+        name, options = {**CODECS, **MOMENTUM_CORRECTED, **QADAM, **LOCAL}[codec]
         model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002,
                                             grad_scaler=scaler)
         out = {"weights": [], "errors": [], "scale": [], "rounds_on_device": 0, "reads": 0, "buckets": 0}
@@ -104,7 +110,7 @@ def _run(rank, P, codec, fused, scaler_on, deferred, step_with_scaler=True, unsc
 
 
 def _codecs(driver):
-    return list(CODECS) + (list(MOMENTUM_CORRECTED) if driver == "fused" else [])
+    return list(CODECS) + (list(MOMENTUM_CORRECTED) if driver == "fused" else []) + list(QADAM)
 
 
 def _r_both(rank, P, driver):
@@ -122,6 +128,9 @@ def test_verdict_stays_in_the_result(clusters, P, driver):
         # momentum correction's refuse_changed at once: one read of its in-place check per step it applies a
         # kept round; on the device none (its answer goes to the fused optimizer's found_inf)
         changed = (0, STEPS - 1 if codec in MOMENTUM_CORRECTED else 0)
+        if codec in QADAM:  # (a fused Adam's step under the scaler: the bad round was kept on the device, and read)
+            changed = ({"fused": 0, "scaler": QADAM_CHANGED_READS, "fused_scaler": QADAM_CHANGED_READS + 1}[driver],
+                       QADAM_CHANGED_READS)
         for r in range(P):
             at_once, device = res[r][codec]
             assert device["buckets"] >= 2, device["buckets"]
@@ -210,18 +219,20 @@ def test_a_step_without_its_scaler_reads_the_verdict(clusters, P, unscale_first)
 
 
 def _r_not_eligible(rank, P):
-    """qadam, with a fused optimizer: its verdict is read (its frozen Adam step and momentum are committed on
-    the host's word); the kinds of the others."""
+    """qadam after its freeze: its verdict stays on the device with a fused Adam (whose found_inf its own update
+    skips with) and is read with a plain one, which cannot skip there; the kinds of the others."""
     os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
     try:
-        net = torch.nn.Linear(4, 2)
-        opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=True)
-        model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=1))
-        for _ in range(2):  # the warm-up's round, then a frozen one
-            net(torch.ones(3, 4)).sum().backward()
-            on_device = model._verdict_round
-            opt.step()
-        model.close()
+        on_device = []
+        for fused in (True, False):
+            net = torch.nn.Linear(4, 2)
+            opt = torch.optim.Adam(net.parameters(), lr=0.1, fused=fused)
+            model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=1))
+            for _ in range(2):  # the warm-up's round, then a frozen one
+                net(torch.ones(3, 4)).sum().backward()
+                opt.step()
+            on_device.append(model._verdict_round)
+            model.close()
         kinds = [build("gradient_allreduce", **o).device_verdict for o in
                  ({}, {"compression": "bf16"}, {"compression": "minmax_uint8"}, {"hierarchical": True},
                   {"compression": "sign"})]
@@ -230,9 +241,10 @@ def _r_not_eligible(rank, P):
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
-def test_only_rounds_whose_state_is_put_back_on_the_device_leave_their_verdict_there(clusters):
+def test_only_rounds_that_can_be_refused_on_the_device_leave_their_verdict_there(clusters):
     for out in clusters.get(2).run(_r_not_eligible, timeout=120):
-        assert out == (False, ["result", "result", "flags", "flags", "flags"], ["flags", "flags", "flags", ""]), out
+        assert out == ([True, False], ["result", "result", "flags", "flags", "flags"],
+                       ["flags", "flags", "flags", "flags"]), out
 
 
 def _r_changed_in_place(rank, P, name, deferred):

@@ -33,11 +33,12 @@ class FrozenAdam:
         # scratch buffer for the step: nothing of the model's size is allocated per step
         self._denoms = {}
         self._scratch = {}
-        # param -> (its optimizer step tensor, the count it holds): a fused or capturable Adam keeps the count
-        # on the device, where reading it for the bias corrections would be a host synchronisation per
-        # parameter per step. It is read once (at the freeze; again when the tensor is another: a
-        # load_state_dict), then counted here as this class advances it.
+        # param -> (its optimizer step tensor, the count it holds), for a plain Adam: its step is read once (at
+        # the freeze; again when the tensor is another: a load_state_dict), then counted here as this class
+        # advances it. A fused or capturable Adam keeps the count on the device, where a read would be a host
+        # synchronisation: param -> (that tensor, an fp64 copy there), advanced with it (_count_on_device).
         self._steps = {}
+        self._counts = {}
         for p in params:
             key = (p.dtype, p.device)
             if key not in self._scratch or self._scratch[key].numel() < p.numel():
@@ -54,38 +55,110 @@ class FrozenAdam:
         beta1 = float(group["betas"][0])
         m.mul_(1 - beta1).add_(self._state(p)["exp_avg"], alpha=beta1)  # m_local
 
-    def step(self, freeze: bool):
+    def step(self, freeze: bool, found_inf=None, grad_scale=None):
         """The update for every parameter with Adam state, from the averaged momentum in ``.grad``, which is
-        then set to None so that torch's step skips it. ``freeze``: the first step after warm-up."""
+        then set to None so that torch's step skips it. ``freeze``: the first step after warm-up.
+        ``found_inf``, ``grad_scale``: what a fused Adam was given for this step (a round whose verdict stayed
+        on the device, a GradScaler's step): skipped where ``found_inf`` is set, and ``.grad`` at the scale
+        ``grad_scale`` (the scaler left it scaled, for the fused kernel to unscale), as that Adam's own step."""
         with torch.no_grad():
             for group in self.opt.param_groups:
-                lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
-                beta1, beta2 = (float(b) for b in group["betas"])
-                for p in group["params"]:
-                    if p.grad is None or p not in self.groups or "exp_avg_sq" not in self.opt.state.get(p, {}):
-                        continue  # (no Adam state yet: an ordinary Adam step on the averaged gradient)
-                    state = self._state(p)
-                    state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
-                    taken = self._count(p, state["step"])
-                    if freeze or p not in self._denoms:  # the freeze (or a resume)
-                        if freeze:
-                            state["exp_avg_sq"].div_(1 - beta2 ** float(taken))
-                        self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
-                    state["step"] += 1  # in place on a tensor: on its device
-                    self._steps[p] = (state["step"], taken + 1)
-                    t = float(taken + 1)
-                    if wd and self._decoupled(group):
-                        p.mul_(1 - lr * wd)
-                    # m_hat / (sqrt(v_hat) + eps), at most Adam's own largest step: B = max(1, (1 - beta1) /
-                    # sqrt(1 - beta2)) (Kingma & Ba, section 2.1). A live v keeps Adam under it; a frozen one
-                    # does not: a coordinate whose gradient was ~0 during warm-up (a ReLU unit not yet
-                    # active) would later step m / eps, up to 1e8 x lr, and the model blows up.
-                    ratio = self._scratch[(p.dtype, p.device)][:p.numel()].view_as(p)
-                    torch.div(state["exp_avg"], self._denoms[p], out=ratio)
-                    bound = max(1.0, (1 - beta1) / (1 - beta2) ** 0.5) * (1 - beta1 ** t)
-                    ratio.clamp_(-bound, bound)
-                    p.add_(ratio, alpha=-lr / (1 - beta1 ** t))
+                ps = [p for p in group["params"] if p.grad is not None and p in self.groups
+                      and "exp_avg_sq" in self.opt.state.get(p, {})]  # (else: Adam's own step on the average)
+                if not ps:
+                    continue
+                if grad_scale is not None:  # 1 / scale in fp32, as the scaler's unscale_ makes it
+                    torch._foreach_mul_([p.grad for p in ps], grad_scale.double().reciprocal().float())
+                if group.get("fused") or group.get("capturable"):
+                    self._step_on_device(group, ps, freeze, found_inf)
+                elif found_inf is None or not host_read(found_inf)[0]:
+                    self._step_on_host(group, ps, freeze)
+                for p in ps:
                     p.grad = None  # torch's Adam.step skips it
+
+    def _step_on_host(self, group, ps, freeze):
+        """Adam's ``step`` counts held on the host: the bias corrections are host floats."""
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        for p in ps:
+            state = self._state(p)
+            state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
+            taken = self._count(p, state["step"])
+            if freeze or p not in self._denoms:  # the freeze (or a resume)
+                if freeze:
+                    state["exp_avg_sq"].div_(1 - beta2 ** float(taken))
+                self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
+            state["step"] += 1  # in place on a tensor: on its device
+            self._steps[p] = (state["step"], taken + 1)
+            t = float(taken + 1)
+            if wd and self._decoupled(group):
+                p.mul_(1 - lr * wd)
+            # m_hat / (sqrt(v_hat) + eps), at most Adam's own largest step: B = max(1, (1 - beta1) /
+            # sqrt(1 - beta2)) (Kingma & Ba, section 2.1). A live v keeps Adam under it; a frozen one
+            # does not: a coordinate whose gradient was ~0 during warm-up (a ReLU unit not yet
+            # active) would later step m / eps, up to 1e8 x lr, and the model blows up.
+            ratio = self._ratio(p, state)
+            bound = self._bound(beta1, beta2) * (1 - beta1 ** t)
+            ratio.clamp_(-bound, bound)
+            p.add_(ratio, alpha=-lr / (1 - beta1 ** t))
+
+    def _step_on_device(self, group, ps, freeze, found_inf):
+        """A fused or capturable Adam keeps ``step`` on the device, where every read would be a host
+        synchronisation: the same update with its bias corrections made there, in fp64 from a copy of each
+        count kept beside it (so on a CPU they are the host path's bit for bit), a few kernels per param
+        group. Where ``found_inf`` is set nothing changes (weights, m, step), as in the fused Adam's own
+        skipped step; v is frozen either way."""
+        lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
+        beta1, beta2 = (float(b) for b in group["betas"])
+        states = [self._state(p) for p in ps]
+        steps = [s["step"] for s in states]
+        counts = [self._count_on_device(p, step) for p, step in zip(ps, steps)]
+        for p, state, taken in zip(ps, states, counts):
+            if freeze or p not in self._denoms:  # the freeze (or a resume): the counts are the warm-up's
+                if freeze:
+                    state["exp_avg_sq"].div_(torch.pow(beta2, taken).neg_().add_(1))
+                self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
+        bc1 = torch._foreach_pow(beta1, torch._foreach_add(counts, 1))  # 1 - beta1^t, t = this step's count
+        torch._foreach_neg_(bc1)
+        torch._foreach_add_(bc1, 1)
+        hi = torch._foreach_mul(bc1, self._bound(beta1, beta2))
+        lo = torch._foreach_neg(hi)
+        scale = torch._foreach_div([torch.full_like(counts[0], -lr)] * len(ps), bc1)  # 0 where skipped
+        decay, skip, advance = 1 - lr * wd, None, 1
+        if found_inf is not None:
+            skip = found_inf != 0
+            advance = torch.logical_not(skip).float()
+            torch._foreach_mul_(scale, advance)
+            decay = torch.where(skip, 1.0, decay)
+        torch._foreach_add_(steps, advance)
+        torch._foreach_add_(counts, advance)
+        for i, (p, state) in enumerate(zip(ps, states)):
+            if skip is None:
+                state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
+            else:  # a skipped round's .grad may hold inf/NaN: m stays
+                torch.where(skip, state["exp_avg"], p.grad, out=state["exp_avg"])
+            if wd and self._decoupled(group):
+                p.mul_(decay)
+            ratio = self._ratio(p, state)  # finite where skipped (the kept m): times a scale of 0
+            ratio.clamp_(lo[i], hi[i])
+            p.addcmul_(ratio, scale[i])
+
+    def _count_on_device(self, p, step):
+        """An fp64 copy of ``step`` (the optimizer's count of p, a device tensor), made once (again when the
+        tensor is another: a load_state_dict) and advanced with it."""
+        known = self._counts.get(p)
+        if known is None or known[0] is not step:
+            known = self._counts[p] = (step, step.detach().to(torch.float64))
+        return known[1]
+
+    def _ratio(self, p, state):
+        """m / (sqrt(v_hat) + eps) in the step's scratch buffer."""
+        ratio = self._scratch[(p.dtype, p.device)][:p.numel()].view_as(p)
+        return torch.div(state["exp_avg"], self._denoms[p], out=ratio)
+
+    @staticmethod
+    def _bound(beta1, beta2):
+        return max(1.0, (1 - beta1) / (1 - beta2) ** 0.5)
 
     def _count(self, p, step):
         """The Adam steps ``step`` (the optimizer's count of p) holds: this class's own count of it while it is

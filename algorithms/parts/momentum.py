@@ -120,6 +120,12 @@ class MomentumCorrection:
         # goes through torch's fused SGD kernel with the flag, which leaves the weights alone where it is set.
         found_inf = getattr(self.model.optimizer, "found_inf", None)
         skip = found_inf is not None and found_inf.device.type == "cpu" and bool(found_inf)
+        # A GradScaler's step() of a fused optimizer whose unscale_ was not called leaves .grad at the scale and
+        # hands the fused kernel grad_scale instead: so does this update (torch's fused SGD takes it; on a CPU,
+        # 1 / scale, made in fp32 as the scaler's unscale_ makes it, joins the learning rate)
+        grad_scale = getattr(self.model.optimizer, "grad_scale", None)
+        unscale = 1.0 if grad_scale is None or grad_scale.device.type != "cpu" else \
+            float(grad_scale.double().reciprocal().float())
         sparse_stepped, dense = [], {}  # dense: (device, lr) -> (params, grads)
         for b in self.model.buckets:
             idx = written[b.index] if committed is not None else None
@@ -129,7 +135,7 @@ class MomentumCorrection:
                 gi, g = self.group[b.index][j], p.grad
                 if gi is None or g is None:
                     continue
-                lr = float(groups[gi]["lr"])
+                lr = float(groups[gi]["lr"]) * (unscale if g.device.type == "cpu" else 1.0)
                 if sparse and g is committed[b.index][j]:  # untouched since the round: zero off the written
                     params.append(p.detach())
                     offsets.append(b.offsets[j])
@@ -148,7 +154,8 @@ class MomentumCorrection:
                     continue
                 if device.type == "cuda" and found_inf is not None:
                     torch._fused_sgd_(ps, gs, [], weight_decay=0.0, momentum=0.0, lr=lr, dampening=0.0,
-                                      nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf)
+                                      nesterov=False, maximize=False, is_first_step=False, grad_scale=grad_scale,
+                                      found_inf=found_inf)
                 elif device.type == "cuda":
                     torch._foreach_add_(ps, gs, alpha=-lr)
                 else:
