@@ -26,9 +26,18 @@ class TopK(ErrorFeedbackSparsifier):
         # step wrote, not memset whole
         # k is the same on every rank (the density schedule's, checked by the step count when it changes):
         # no size exchange, one message round per bucket
-        k = values.numel()
-        g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=self.process_group,
-                                                    k=k, out=self.result_out(bucket, self.world_size * k))
+        # Every block carries its k and dtype; the receivers check them (on a GPU a read back to the host) at
+        # the bucket's first exchange on this group and whenever its k changes, not at every repeat of one
+        # verified: bucket order, sizes and dtypes do not change between steps
+        k, pg = values.numel(), self.process_group
+        verified = getattr(self, "_verified", None)
+        if verified is None:
+            verified = self._verified = {}
+        last = verified.get(bucket.index)
+        verify = last is None or last[0] is not pg or last[1] != k
+        g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=pg, k=k,
+                                                    out=self.result_out(bucket, self.world_size * k), verify=verify)
+        verified[bucket.index] = (pg, k)
         self.clear_result(flat, bucket.index)
         kernels.scatter_add_(flat, g_values, g_indices)
         return g_indices

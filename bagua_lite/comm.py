@@ -218,7 +218,7 @@ def sparse_allreduce(values: torch.Tensor, indices: torch.Tensor, numel: int, gr
 
 
 def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
-                     k: Optional[int] = None, out=None) -> Tuple[torch.Tensor, torch.Tensor]:
+                     k: Optional[int] = None, out=None, verify: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
     """Every rank's sparse (values, int32 indices), concatenated in rank order: the exchange of
     :func:`sparse_allreduce` without the sum (ranks may hold different k; dtypes must match).
 
@@ -229,6 +229,9 @@ def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
     exchange of the ranks' sizes is then skipped (one message round instead of two); each block carries
     its k and dtype and every receiver checks them. Only for a k that is the same on every rank by
     construction: a peer that sends more pairs than ``k`` makes gloo abort the receiving process.
+    ``verify=False`` (with ``k``) leaves the received k and dtype unchecked: on a GPU the check reads them back
+    to the host, a synchronisation per call, so a caller that repeats an exchange it has verified (the same
+    ``k`` and dtype on the same group, in the same order on every rank) checks only the first.
 
     ``out``: ``(values_buffer, indices_buffer)`` kept by the caller across calls (the values' dtype and
     int32, contiguous, on the values' device): the result is written into their first elements and
@@ -237,10 +240,12 @@ def sparse_allgather(values: torch.Tensor, indices: torch.Tensor, group=None,
     """
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 0):
         raise ValueError(f"bagua_lite.comm.sparse_allgather: k must be an int >= 0 or None, got {k!r}")
+    if not isinstance(verify, bool):
+        raise TypeError(f"bagua_lite.comm.sparse_allgather: verify must be a bool, got {verify!r}")
     pg = resolve_group(group, "sparse_allgather")
     check_device(values, pg, "sparse_allgather", "values")
     out_values, out_indices = _out_pair(out, "sparse_allgather")
-    return _C.sparse_allgather(pg, values, indices, -1 if k is None else k, out_values, out_indices)
+    return _C.sparse_allgather(pg, values, indices, -1 if k is None else k, out_values, out_indices, verify)
 
 
 def _out_pair(out, fn):

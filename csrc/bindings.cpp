@@ -250,7 +250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_allreduce", &coll::sparse_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"),
         py::arg("numel"), py::arg("out") = py::none(), release());
   m.def("sparse_allgather", &coll::sparse_allgather, py::arg("pg"), py::arg("values"), py::arg("indices"),
-        py::arg("k") = -1, py::arg("out_values") = py::none(), py::arg("out_indices") = py::none(), release());
+        py::arg("k") = -1, py::arg("out_values") = py::none(), py::arg("out_indices") = py::none(),
+        py::arg("verify") = true, release());
   m.def("gtopk_allreduce", &coll::gtopk_allreduce, py::arg("pg"), py::arg("values"), py::arg("indices"), py::arg("k"),
         py::arg("exact"), py::arg("numel") = -1, py::arg("value_bits") = 0,
         py::arg("final_union") = false, py::arg("out_values") = py::none(), py::arg("out_indices") = py::none(),

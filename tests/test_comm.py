@@ -248,6 +248,8 @@ def _r_sparse(rank, P, seed):
             if len({len(rv) for rv, _ in ins}) == 1:  # told k: no size exchange, the same pairs
                 kv, ki = C.sparse_allgather(v.clone(), i.clone(), k=len(v))
                 assert torch.equal(kv, gv) and torch.equal(ki, gi), (str(dtype), case, numel)
+                uv, ui = C.sparse_allgather(v.clone(), i.clone(), k=len(v), verify=False)  # a verified repeat
+                assert torch.equal(uv, gv) and torch.equal(ui, gi), (str(dtype), case, numel)
     return hashes
 
 

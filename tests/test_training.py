@@ -1538,3 +1538,46 @@ def test_autograd_grad_on_one_rank_starts_no_round(clusters, name):
     res = clusters.get(3).run(_r_autograd_grad, name, timeout=60)
     assert all(untouched for untouched, _ in res), res
     assert len({sha for _, sha in res}) == 1, "replicas differ"
+
+
+def _r_topk_verifies(rank, P):
+    """The k and dtype headers of topk's exchange are checked (a host read on a GPU) at each bucket's first
+    exchange and when the density schedule changes its k, not at the repeats in between."""
+    from bagua_lite import comm
+    real, calls = comm.sparse_allgather, []
+
+    def recorded(values, indices, group=None, k=None, out=None, verify=True):
+        calls.append((k, verify))
+        return real(values, indices, group=group, k=k, out=out, verify=verify)
+
+    comm.sparse_allgather = recorded
+    try:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        model = bagua_lite.DistributedModel(net, opt, build("topk", density=0.05, warmup_densities=[0.5],
+                                                            warmup_steps_per_stage=2), bucket_size_mb=0.004)
+        per_step = []
+        for s in range(5):
+            del calls[:]
+            x = torch.randn(8, 32, generator=torch.Generator().manual_seed(rank * 100 + s))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            per_step.append(list(calls))
+        buckets = len(model.buckets)
+        model.close()
+        return buckets, per_step
+    finally:
+        comm.sparse_allgather = real
+
+
+@pytest.mark.parametrize("P", [2, 3], ids=lambda p: f"P{p}")
+def test_topk_verifies_each_exchange_once_per_k(clusters, P):
+    for buckets, per_step in clusters.get(P).run(_r_topk_verifies):
+        assert buckets >= 2 and all(len(c) == buckets for c in per_step), per_step
+        verified = [[v for _, v in c] for c in per_step]
+        # steps 0, 1 at density 0.5; from step 2 at 0.05: every bucket's k changes, so it is checked again
+        assert verified == [[True] * buckets, [False] * buckets, [True] * buckets, [False] * buckets,
+                            [False] * buckets], per_step
+        assert all(per_step[2][b][0] < per_step[1][b][0] for b in range(buckets)), per_step

@@ -44,7 +44,8 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
 std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                     const at::Tensor& indices, int64_t k = -1,
                                                     const std::optional<at::Tensor>& out_values = std::nullopt,
-                                                    const std::optional<at::Tensor>& out_indices = std::nullopt);
+                                                    const std::optional<at::Tensor>& out_indices = std::nullopt,
+                                                    bool verify = true);
 
 // Global Top-k by recursive doubling (sum semantics). Returns a canonical set (ascending indices) of at
 // most k entries, bit-identical on all ranks. exact=true replaces each value by the exact sum over ranks.

@@ -7,7 +7,9 @@
 // Given k (the same on every rank by the caller's construction, e.g. Top-k's density times the bucket
 // size), it skips the meta allgather: one exchange instead of two, so one wait for the slowest rank
 // instead of two per bucket. Each block then starts with a 16-byte header (k, dtype) that every receiver
-// checks; a peer sending more bytes than k pairs makes gloo abort the receiver (its size check).
+// checks (`verify`; on a GPU the check is a device-to-host read, so a caller whose exchange repeats one
+// already verified, the same k and dtype on the same group, passes false); a peer sending more bytes than k
+// pairs makes gloo abort the receiver (its size check).
 #include <ATen/Dispatch.h>
 
 #include <cstring>
@@ -36,7 +38,8 @@ at::Tensor typed(const at::Tensor& bytes, at::ScalarType t) {
 // Calls `each(r, values_r, indices_r)` in rank order.
 template <class Each>
 void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at::Tensor& indices, int64_t numel,
-                   const char* fn, std::vector<int64_t>& ks, Each each, int64_t fixed_k = -1) {
+                   const char* fn, std::vector<int64_t>& ks, Each each, int64_t fixed_k = -1,
+                   bool verify = true) {
   const int64_t P = pg->getSize(), me = pg->getRank();
   const auto dev = values.device();
   const int64_t elem = values.element_size();
@@ -80,13 +83,17 @@ void gather_blocks(const ProcessGroupPtr& pg, const at::Tensor& values, const at
   // Pack: [header] values then indices, padded to kmax.
   const int64_t msg = hdr + kmax * (elem + 4);
   auto send = scratch_bytes(Slot::kSend, msg, dev);
-  if (hdr) send.narrow(0, 0, hdr).copy_(at::from_blob(const_cast<int64_t*>(head), {hdr}, at::kByte));
+  if (hdr) {  // written by the device (a copy from host memory would wait for it on a GPU)
+    auto words = send.narrow(0, 0, hdr).view(at::kLong);  // (the scratch buffer starts aligned)
+    words.narrow(0, 0, 1).fill_(head[0]);
+    words.narrow(0, 1, 1).fill_(head[1]);
+  }
   send.narrow(0, hdr, k * elem).copy_(values.view(at::kByte));
   send.narrow(0, hdr + kmax * elem, k * 4).copy_(indices.view(at::kByte));
   auto recv = scratch_bytes(Slot::kRecv, msg * P, dev);
   pg_allgather_direct(pg, recv, send, kTagBlocks);
 
-  if (hdr) {
+  if (hdr && verify) {
     auto heads = recv.view({P, msg}).narrow(1, 0, hdr).cpu().contiguous();
     const uint8_t* hp = heads.const_data_ptr<uint8_t>();
     for (int64_t r = 0; r < P; ++r) {
@@ -131,7 +138,7 @@ at::Tensor sparse_allreduce(const ProcessGroupPtr& pg, const at::Tensor& values,
 std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, const at::Tensor& values,
                                                     const at::Tensor& indices, int64_t k,
                                                     const std::optional<at::Tensor>& out_values,
-                                                    const std::optional<at::Tensor>& out_indices) {
+                                                    const std::optional<at::Tensor>& out_indices, bool verify) {
   kernels::check_sparse_args(values, indices, -1, "sparse_allgather");
   BL_CHECK(k >= -1, "sparse_allgather: k must be >= 0 (or -1: ranks may differ), got ", k);
   std::vector<int64_t> ks;
@@ -139,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_allgather(const ProcessGroupPtr& pg, c
   gather_blocks(pg, values, indices, -1, "sparse_allgather", ks, [&](int64_t, const at::Tensor& v, const at::Tensor& i) {
     vs.push_back(v);
     is.push_back(i);
-  }, k);
+  }, k, verify);
   int64_t total = 0;
   for (const auto& v : vs) total += v.numel();
   auto ov = result_buffer(out_values, total, values.options(), "sparse_allgather", "out_values");
