@@ -121,6 +121,13 @@ def refuse_changed(who: str, model, buckets, holds: str, instead: str, late: boo
     take the answer there (``DeviceVerdict.refuse_late``) the step is skipped on the device and the error
     comes a step late, with no host read; else the answer is read here."""
     scaler = model.grad_scaler
+    if scaler is None and getattr(model.optimizer, "grad_scale", None) is not None:
+        # GradScaler.step() of a fused optimizer without its unscale_: .grad is at the scale and so is what the
+        # algorithm built from it (residuals, momenta), mis-weighted whenever the scale changes
+        raise RuntimeError(
+            f"{who}: a GradScaler steps the fused {type(model.optimizer).__name__} with .grad at its scale, but the "
+            f"model was not given the scaler. {holds}, and the state the algorithm keeps from it would be at the "
+            f"scaler's scale, wrong whenever the scale changes; pass it: DistributedModel(..., grad_scaler=scaler)")
     scales = _compat.scaler_scales(scaler)
     inv = None if scales is None else scales[1]
     seen = [b.changed(inv) for b in buckets]

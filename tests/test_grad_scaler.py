@@ -128,6 +128,38 @@ def test_a_fused_optimizer_stepped_by_the_scaler_alone_trains_as_without_it(clus
             assert torch.equal(w[5], res[0][key]["skipped"][5]), f"{key}: replicas differ"
 
 
+def _r_foreign_scaler(rank, P):
+    """A GradScaler the model was not given steps a fused optimizer without unscale_: where .grad holds more
+    than a gradient, the first such step is refused before anything changes."""
+    out = {}
+    for key in ("topk", "gtopk", "qadam", "dense"):
+        name, options = ALGORITHMS[key]
+        net, opt, model = build_model(name, options, weight_decay=1e-2, fused=True)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=10 ** 6)
+        out[key] = None
+        for step in range(STEPS):
+            before = weights(net)
+            scaler.scale(loss_of(model, rank, step)).backward()
+            try:
+                scaler.step(opt)
+            except RuntimeError as e:
+                out[key] = (step, str(e), torch.equal(before, weights(net)))
+                break
+            scaler.update()
+            opt.zero_grad()
+        model.close()
+    return out
+
+
+def test_a_scaler_the_model_was_not_given_stepping_a_fused_optimizer_is_refused(clusters):
+    for out in clusters.get(2).run(_r_foreign_scaler):
+        for key, at in (("topk", 0), ("gtopk", 0), ("qadam", ALGORITHMS["qadam"][1]["warmup_steps"])):
+            step, msg, unchanged = out[key]
+            assert step == at and unchanged, (key, out[key])
+            assert "was not given the scaler" in msg and "grad_scaler=scaler" in msg, msg
+        assert out["dense"] is None, out["dense"]  # .grad is a gradient: the fused kernel unscales it, as under DDP
+
+
 def _r_clip_refused(rank, P):
     net = torch.nn.Linear(10, 4)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
