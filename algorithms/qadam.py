@@ -114,7 +114,7 @@ class QAdam(Algorithm):
             return
         opt = self.model.optimizer
         if not synced:
-            if not scaler_set_found_inf(opt, self.model._verdict):
+            if not scaler_set_found_inf(opt):  # (a found_inf of the model's own comes with a kept round)
                 raise RuntimeError("qadam: after warm-up every optimizer.step() needs a synchronised backward "
                                    "first (its momentum is what the ranks exchange)")
             # else a round discarded for inf/NaN that a GradScaler's step() skips on the device (a fused Adam)
