@@ -207,8 +207,9 @@ def _step_count_reads(rank):
     """Adam's step count: under a plain Adam (a host tensor) read once per parameter, at the freeze, then
     counted by qadam, a load_state_dict (new step tensors) read again once, with weights and counts equal to
     those of reading it at every step; under a fused (or capturable) Adam, which keeps it on the device where
-    each read is a host synchronisation, never read: the bias corrections are made there, in fp64 from a copy of
-    the counts, and the weights are those of the host's arithmetic bit for bit (on a CPU)."""
+    each read is a host synchronisation, read once in all, at the freeze: the bias corrections are made there,
+    in fp64 from a copy of the counts, and the weights are those of the host's arithmetic bit for bit (on a
+    CPU)."""
     import bagua_lite.algorithms.parts.frozen_adam as frozen_adam
     reads, real_read, real_count = [], frozen_adam.host_read, frozen_adam.FrozenAdam._count
     real_on_device = frozen_adam.FrozenAdam._step_on_device
@@ -243,7 +244,7 @@ def _step_count_reads(rank):
         assert torch.equal(weights, want) and counts == want_counts, "counting differs from reading"
 
         weights, counts, per_step = train(True)
-        assert per_step == [0] * (WARMUP + 5), per_step
+        assert per_step == [0] * WARMUP + [1, 0, 0, 0, 0], per_step  # at the freeze: did Adam step (_took_steps)
         assert counts == [WARMUP + 5.0] * n, counts
         frozen_adam.FrozenAdam._step_on_device = lambda self, group, ps, freeze, found_inf: \
             self._step_on_host(group, ps, freeze)  # the host's arithmetic on the same fused Adam
@@ -283,6 +284,42 @@ def test_the_frozen_update_skipped_on_the_device_changes_nothing():
     assert all(torch.equal(a, b) for x, y in zip(plain, zero) for a, b in zip(x, y)), "found_inf = 0 differs"
     assert all(torch.equal(a, b) for a, b in zip(skipped[2], skipped[1])), "the skipped step changed something"
     assert all(torch.isfinite(t).all() for t in skipped[-1]) and not torch.equal(skipped[-1][0], skipped[2][0])
+
+
+def _warmup_all_skipped(rank, P):
+    """Every warm-up step skipped (rank 0's loss infinite, a GradScaler given to the model). The scaler does not
+    call a plain Adam's step() for a skipped step, so those steps do not count and the warm-up goes on; a
+    fused Adam's step() is called and skips on the device, so they count, and at the freeze Adam holds the
+    state of steps it skipped (step 0, v = 0: v_hat would be 0 / 0): refused with a clear error, nothing
+    changed."""
+    out = []
+    for fused in (False, True):
+        net = _net()
+        opt = _optimizer("adam", net, fused=fused)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+        model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=WARMUP), bucket_size_mb=BUCKET_MB,
+                                            grad_scaler=scaler)
+        start = _flat(net)
+        for s in range(WARMUP + 1):
+            x, y = _batch(rank, s)
+            loss = F.cross_entropy(model(x), y) * (float("inf") if rank == 0 and s < WARMUP else 1.0)
+            scaler.scale(loss).backward()
+            try:
+                scaler.step(opt)
+            except RuntimeError as e:
+                out.append((fused, s, str(e), torch.equal(_flat(net), start)))
+                break
+            scaler.update()
+            opt.zero_grad()
+        model.close()
+    return out
+
+
+def test_a_warm_up_in_which_adam_never_stepped_is_refused_at_the_freeze(clusters):
+    for out in clusters.get(2).run(_warmup_all_skipped):
+        assert [o[:2] for o in out] == [(True, WARMUP)], out
+        for fused, _, msg, unchanged in out:
+            assert "Adam took no step during the warm-up" in msg and "warmup_steps" in msg and unchanged, (fused, msg)
 
 
 def _errors(rank):

@@ -61,6 +61,8 @@ class FrozenAdam:
         ``found_inf``, ``grad_scale``: what a fused Adam was given for this step (a round whose verdict stayed
         on the device, a GradScaler's step): skipped where ``found_inf`` is set, and ``.grad`` at the scale
         ``grad_scale`` (the scaler left it scaled, for the fused kernel to unscale), as that Adam's own step."""
+        if freeze and not any("exp_avg_sq" in self.opt.state.get(p, {}) for p in self.groups):
+            self._took_steps(0)  # (a plain Adam whose every warm-up step a GradScaler skipped has no state)
         with torch.no_grad():
             for group in self.opt.param_groups:
                 ps = [p for p in group["params"] if p.grad is not None and p in self.groups
@@ -80,10 +82,12 @@ class FrozenAdam:
         """Adam's ``step`` counts held on the host: the bias corrections are host floats."""
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         beta1, beta2 = (float(b) for b in group["betas"])
-        for p in ps:
-            state = self._state(p)
+        states = [self._state(p) for p in ps]
+        counts = [self._count(p, state["step"]) for p, state in zip(ps, states)]
+        if freeze:
+            self._took_steps(min(counts))
+        for p, state, taken in zip(ps, states, counts):
             state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
-            taken = self._count(p, state["step"])
             if freeze or p not in self._denoms:  # the freeze (or a resume)
                 if freeze:
                     state["exp_avg_sq"].div_(1 - beta2 ** float(taken))
@@ -106,13 +110,15 @@ class FrozenAdam:
         """A fused or capturable Adam keeps ``step`` on the device, where every read would be a host
         synchronisation: the same update with its bias corrections made there, in fp64 from a copy of each
         count kept beside it (so on a CPU they are the host path's bit for bit), a few kernels per param
-        group. Where ``found_inf`` is set nothing changes (weights, m, step), as in the fused Adam's own
+        group; the counts are read once, at the freeze, to refuse a warm-up in which Adam never stepped. Where ``found_inf`` is set nothing changes (weights, m, step), as in the fused Adam's own
         skipped step; v is frozen either way."""
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         beta1, beta2 = (float(b) for b in group["betas"])
         states = [self._state(p) for p in ps]
         steps = [s["step"] for s in states]
         counts = [self._count_on_device(p, step) for p, step in zip(ps, steps)]
+        if freeze:  # the run's one read of the counts
+            self._took_steps(int(host_read(torch.stack(counts).min())[0]))
         for p, state, taken in zip(ps, states, counts):
             if freeze or p not in self._denoms:  # the freeze (or a resume): the counts are the warm-up's
                 if freeze:
@@ -142,6 +148,16 @@ class FrozenAdam:
             ratio = self._ratio(p, state)  # finite where skipped (the kept m): times a scale of 0
             ratio.clamp_(lo[i], hi[i])
             p.addcmul_(ratio, scale[i])
+
+    @staticmethod
+    def _took_steps(taken):
+        """At the freeze: Adam's state holds a second moment only if Adam took a step (a fused Adam makes its
+        state in a step it then skips: a GradScaler's overflow, a non-finite round), else v is 0 and v_hat
+        0 / 0."""
+        if taken == 0:
+            raise RuntimeError("qadam: Adam took no step during the warm-up (every warm-up step was skipped: a "
+                               "GradScaler's overflow or a non-finite gradient), so it has no second moment to "
+                               "freeze; raise warmup_steps (nothing was changed at this step)")
 
     def _count_on_device(self, p, step):
         """An fp64 copy of ``step`` (the optimizer's count of p, a device tensor), made once (again when the
