@@ -73,10 +73,12 @@ class QAdam(Algorithm):
     device_verdict = "flags"
 
     def init(self, model):
-        self.adam = FrozenAdam(model.optimizer, {p for b in model.buckets for p in b.params})
+        self.adam = FrozenAdam(model.optimizer, [p for b in model.buckets for p in b.params])
         self.residuals = [torch.zeros_like(b.flat) for b in model.buckets]
         # checkpointed, and as before the round if it is discarded (a rank's gradient was non-finite)
         self.register_state("residuals", self.residuals, rollback=True)
+        # the parameters whose Adam state began after the freeze, not yet frozen (as Adam's state: on every rank)
+        self.register_state("joining", [self.adam.joining], shared=True)
 
     def bucket_ops(self, bucket):
         pg, residual = self.process_group, self.residuals[bucket.index]

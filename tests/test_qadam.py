@@ -258,6 +258,58 @@ def _step_count_reads(rank):
         frozen_adam.host_read = real_read
 
 
+class _Branched(torch.nn.Module):
+    """A head used only from step ``late_from`` on: no rank gives it a gradient during the warm-up."""
+
+    def __init__(self, late_from):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.late_from, self.s = torch.nn.Linear(D_IN, CLASSES), torch.nn.Linear(D_IN, CLASSES), late_from, 0
+
+    def forward(self, x):
+        return self.a(x) + (self.b(x) if self.s >= self.late_from else 0.0)
+
+
+def _late_parameter(rank, P):
+    """A parameter with no Adam state at the freeze takes an ordinary Adam step when it first has a gradient
+    (its state begins there), and at its next step is frozen with its v bias-corrected by its own count, as the
+    others were at the freeze (before: left as Adam's live v, 1 / (1 - beta2) = 1000x too small). Resumed from a
+    checkpoint taken between the two: bit for bit the uninterrupted run."""
+    late, total = WARMUP + 1, WARMUP + 4
+
+    def run(fused, cut=None):
+        net = _Branched(late)
+        opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused)
+        model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=WARMUP), bucket_size_mb=BUCKET_MB)
+        v_seen = {}
+        for s in range(total):
+            if s == cut:  # a new model, optimizer and algorithm from the checkpoint
+                saved = {"net": net.state_dict(), "opt": opt.state_dict(), "alg": model.algorithm_state_dict()}
+                model.close()
+                net = _Branched(late)
+                net.load_state_dict(saved["net"])
+                opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=fused)
+                opt.load_state_dict(saved["opt"])
+                model = bagua_lite.DistributedModel(net, opt, build("qadam", warmup_steps=WARMUP),
+                                                    bucket_size_mb=BUCKET_MB)
+                model.load_algorithm_state_dict(saved["alg"])
+            net.s = s
+            _step(model, opt, rank, s)
+            if "exp_avg_sq" in opt.state.get(net.b.weight, {}):
+                v_seen[s] = opt.state[net.b.weight]["exp_avg_sq"].clone()
+        model.close()
+        return _flat(net), v_seen
+
+    for fused in (False, True):
+        weights, v = run(fused)
+        assert sorted(v) == list(range(late, total)), sorted(v)
+        beta2 = 0.999
+        assert torch.allclose(v[late + 1], v[late] / (1 - beta2), rtol=1e-6), "the late parameter's v not corrected"
+        assert torch.equal(v[late + 2], v[late + 1]), "frozen: v no longer changes"
+        resumed, _ = run(fused, cut=late + 1)
+        assert torch.equal(resumed, weights), f"fused={fused}: resumed between a late Adam step and its freeze differs"
+
+
 def test_the_frozen_update_skipped_on_the_device_changes_nothing():
     """A fused Adam's step given ``found_inf``: where it is 0, the update is the one without it, bit for bit;
     where it is 1 (the round held inf/NaN, now in .grad), weights, m, v and step are as before, bit for bit."""
@@ -345,6 +397,7 @@ def _r_all(rank, P):
         _post_warmup(rank, P, "adam", 0.0, compression=compression, steps=WARMUP + 3, check_at=WARMUP + 1)
     _resume(rank)
     _step_count_reads(rank)
+    _late_parameter(rank, P)
     return losses
 
 

@@ -18,7 +18,8 @@ from bagua_lite.bucket import host_read
 
 class FrozenAdam:
     def __init__(self, opt, params):
-        """``opt``: the model's optimizer (checked here); ``params``: the parameters whose momentum travels."""
+        """``opt``: the model's optimizer (checked here); ``params``: the parameters whose momentum travels, in
+        the same order on every rank."""
         if not isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
             raise TypeError(f"qadam: the optimizer must be torch.optim.Adam or torch.optim.AdamW, got "
                             f"{type(opt).__name__} ({type(opt).__module__}.{type(opt).__qualname__})")
@@ -28,7 +29,15 @@ class FrozenAdam:
                     raise ValueError(f"qadam: param group {i} has {flag}=True; qadam supports neither amsgrad "
                                      f"nor maximize (set them False)")
         self.opt = opt
-        self.groups = {p: g for g in opt.param_groups for p in g["params"] if p in params}
+        params = list(params)
+        members = set(params)
+        self.groups = {p: g for g in opt.param_groups for p in g["params"] if p in members}
+        # A parameter with no Adam state at the freeze (no gradient on any rank during the warm-up) gets it
+        # from an ordinary Adam step afterwards; its v is bias-corrected when it is frozen, at its next step.
+        # 1 here from that Adam step until then (the algorithm's state: a checkpoint in between resumes it;
+        # the same on every rank, as Adam's state is).
+        self._index = {p: i for i, p in enumerate(params)}
+        self.joining = torch.zeros(len(params), dtype=torch.uint8)
         # sqrt(v_hat) + eps per parameter, made once at the freeze (v is constant afterwards), and one
         # scratch buffer for the step: nothing of the model's size is allocated per step
         self._denoms = {}
@@ -63,6 +72,9 @@ class FrozenAdam:
         ``grad_scale`` (the scaler left it scaled, for the fused kernel to unscale), as that Adam's own step."""
         if freeze and not any("exp_avg_sq" in self.opt.state.get(p, {}) for p in self.groups):
             self._took_steps(0)  # (a plain Adam whose every warm-up step a GradScaler skipped has no state)
+        for p in self.groups:
+            if p.grad is not None and "exp_avg_sq" not in self.opt.state.get(p, {}):
+                self.joining[self._index[p]] = 1  # Adam's own step below makes its state
         with torch.no_grad():
             for group in self.opt.param_groups:
                 ps = [p for p in group["params"] if p.grad is not None and p in self.groups
@@ -88,8 +100,8 @@ class FrozenAdam:
             self._took_steps(min(counts))
         for p, state, taken in zip(ps, states, counts):
             state["exp_avg"].copy_(p.grad)  # the averaged momentum, same on every rank
-            if freeze or p not in self._denoms:  # the freeze (or a resume)
-                if freeze:
+            if freeze or p not in self._denoms:  # the freeze, a parameter frozen late, or a resume
+                if self._freezes(p, freeze):
                     state["exp_avg_sq"].div_(1 - beta2 ** float(taken))
                 self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
             state["step"] += 1  # in place on a tensor: on its device
@@ -120,9 +132,11 @@ class FrozenAdam:
         if freeze:  # the run's one read of the counts
             self._took_steps(int(host_read(torch.stack(counts).min())[0]))
         for p, state, taken in zip(ps, states, counts):
-            if freeze or p not in self._denoms:  # the freeze (or a resume): the counts are the warm-up's
-                if freeze:
-                    state["exp_avg_sq"].div_(torch.pow(beta2, taken).neg_().add_(1))
+            if freeze or p not in self._denoms:  # the freeze, a parameter frozen late, or a resume
+                if self._freezes(p, freeze):
+                    # (a late parameter whose Adam step was skipped has v = 0 at count 0: divided by 1, not 0)
+                    bc2 = torch.pow(beta2, taken).neg_().add_(1)
+                    state["exp_avg_sq"].div_(bc2 if freeze else torch.where(taken == 0, 1.0, bc2))
                 self._denoms[p] = state["exp_avg_sq"].sqrt().add_(eps)
         bc1 = torch._foreach_pow(beta1, torch._foreach_add(counts, 1))  # 1 - beta1^t, t = this step's count
         torch._foreach_neg_(bc1)
@@ -148,6 +162,14 @@ class FrozenAdam:
             ratio = self._ratio(p, state)  # finite where skipped (the kept m): times a scale of 0
             ratio.clamp_(lo[i], hi[i])
             p.addcmul_(ratio, scale[i])
+
+    def _freezes(self, p, freeze):
+        """Whether p's v is bias-corrected now: at the freeze, or at the first frozen step of a parameter whose
+        Adam state began after it (else its v was corrected before a checkpoint this run resumed)."""
+        i = self._index[p]
+        late = bool(self.joining[i])
+        self.joining[i] = 0
+        return freeze or late
 
     @staticmethod
     def _took_steps(taken):
