@@ -264,7 +264,8 @@ class _Branched(torch.nn.Module):
     def __init__(self, late_from):
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b, self.late_from, self.s = torch.nn.Linear(D_IN, CLASSES), torch.nn.Linear(D_IN, CLASSES), late_from, 0
+        self.a, self.b = torch.nn.Linear(D_IN, CLASSES), torch.nn.Linear(D_IN, CLASSES)
+        self.late_from, self.s = late_from, 0
 
     def forward(self, x):
         return self.a(x) + (self.b(x) if self.s >= self.late_from else 0.0)

@@ -122,8 +122,9 @@ class FrozenAdam:
         """A fused or capturable Adam keeps ``step`` on the device, where every read would be a host
         synchronisation: the same update with its bias corrections made there, in fp64 from a copy of each
         count kept beside it (so on a CPU they are the host path's bit for bit), a few kernels per param
-        group; the counts are read once, at the freeze, to refuse a warm-up in which Adam never stepped. Where ``found_inf`` is set nothing changes (weights, m, step), as in the fused Adam's own
-        skipped step; v is frozen either way."""
+        group; the counts are read once, at the freeze, to refuse a warm-up in which Adam never stepped.
+        Where ``found_inf`` is set nothing changes (weights, m, step), as in the fused Adam's own skipped
+        step; v is frozen either way."""
         lr, eps, wd = float(group["lr"]), group["eps"], group["weight_decay"]
         beta1, beta2 = (float(b) for b in group["betas"])
         states = [self._state(p) for p in ps]
