@@ -2,8 +2,8 @@
 
 Where the checks stay on the device (a GPU; here the CPU with BAGUA_LITE_DEFER_CHECKS=1), dense averaging
 (gradient_allreduce with no codec or fp16) under a GradScaler or with a fused optimizer leaves its verdict
-in the result, and the codecs, PowerSGD, topk and gtopk agree their flags on the device and put their state
-back there: nothing reads it (``bucket.host_read`` is counted), and training is bit for bit what the
+in the result, and the codecs, PowerSGD, topk, gtopk and qadam agree their flags on the device and put their
+state back there: nothing reads it (``bucket.host_read`` is counted), and training is bit for bit what the
 checks that answer at once give: the bad step skipped on every rank, the same scales, the same weights
 after it. A fused optimizer without a scaler skips the step on the device and the error comes one step
 late, at the next training forward.
