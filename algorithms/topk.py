@@ -19,6 +19,10 @@ class TopK(ErrorFeedbackSparsifier):
         b = (P - 1) * (16 + k * (e + 4))
         return (b, P - 1, b), (P * k * machine.add_s_per_elem if machine is not None else 0.0)
 
+    def init(self, model):
+        super().init(model)
+        self._verified = {}  # bucket index -> (group, k) of its last exchange, whose headers were checked
+
     def aggregate(self, values, indices, acc, flat, bucket):
         kernels.ef_remove_(acc, indices)                      # residual = acc minus what we send
         # every rank's selection, pre-divided by P (k divisions instead of n), summed into the bucket in
@@ -30,14 +34,11 @@ class TopK(ErrorFeedbackSparsifier):
         # the bucket's first exchange on this group and whenever its k changes, not at every repeat of one
         # verified: bucket order, sizes and dtypes do not change between steps
         k, pg = values.numel(), self.process_group
-        verified = getattr(self, "_verified", None)
-        if verified is None:
-            verified = self._verified = {}
-        last = verified.get(bucket.index)
+        last = self._verified.get(bucket.index)
         verify = last is None or last[0] is not pg or last[1] != k
         g_values, g_indices = comm.sparse_allgather(values.div_(self.world_size), indices, group=pg, k=k,
                                                     out=self.result_out(bucket, self.world_size * k), verify=verify)
-        verified[bucket.index] = (pg, k)
+        self._verified[bucket.index] = (pg, k)
         self.clear_result(flat, bucket.index)
         kernels.scatter_add_(flat, g_values, g_indices)
         return g_indices
