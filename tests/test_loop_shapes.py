@@ -17,7 +17,11 @@ refuses before the optimizer changed anything:
   both micro-batches' forwards;
 - ``grad_sync_flag``: the same two micro-batches as nanoGPT accumulates them, DDP's
   ``model.require_backward_grad_sync = (micro == last)`` before each forward, against the same reference;
-- ``compile``: ``torch.compile`` of the wrapped model (backend "eager": dynamo's tracing, torch's kernels).
+- ``compile``: ``torch.compile`` of the wrapped model (backend "eager": dynamo's tracing, torch's kernels);
+- ``checkpoint`` / ``checkpoint_reentrant``: activation checkpointing of every block
+  (``torch.utils.checkpoint``, as Hugging Face's ``gradient_checkpointing_enable`` does it), without and with
+  ``use_reentrant``: the gradients arrive in a nested backward of their own, in another order, for the
+  reentrant form (whose input is made to require grad, as ``enable_input_require_grads`` does).
 
 ``clip_grad_norm_`` between backward and step is checked on its own (there is no plain loop to compare
 with): it must clip what DDP clips, so the norm it returns is the same on every rank for synchronous
@@ -29,6 +33,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import bagua_lite
 from bagua_lite import cost_model as cm
@@ -60,18 +65,26 @@ SYNCHRONOUS = {"gradient_allreduce", "fp16", "bytegrad", "topk", "topk_no_correc
                "async_warmup", "auto_topk"}
 # .grad holds the momentum-corrected sparse update (or qadam's averaged momentum), not a gradient
 REFUSE_RESCALED_GRAD = {"topk", "gtopk", "auto_topk", "qadam"}
-SHAPES = ("closure", "zero_grad_keep", "param_groups", "grad_scaler", "no_sync", "grad_sync_flag", "compile")
+SHAPES = ("closure", "zero_grad_keep", "param_groups", "grad_scaler", "no_sync", "grad_sync_flag", "compile",
+          "checkpoint", "checkpoint_reentrant")
 
 
 class Net(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, reentrant=None):
+        """``reentrant``: None, or every block (the head too: no gradient is then accumulated by the outer
+        backward) checkpointed with ``use_reentrant`` so."""
         super().__init__()
         torch.manual_seed(0)
         self.body = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.ReLU(), torch.nn.Linear(24, 24), torch.nn.ReLU())
         self.head = torch.nn.Linear(24, 5)
+        self.reentrant = reentrant
 
     def forward(self, x):
-        return self.head(self.body(x))
+        if self.reentrant is None:
+            return self.head(self.body(x))
+        for block in (self.body[0:2], self.body[2:4], self.head):
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
 
 
 def _batch(rank, step, micro=0):
@@ -102,7 +115,7 @@ def _same(a, b):
 def _train(rank, label, shape):
     """STEPS steps of ``shape`` (None: the plain loop). Returns (state, None) or (None, (step, error))."""
     name, options, kind = ALGORITHMS[label]
-    net = Net()
+    net = Net({"checkpoint": False, "checkpoint_reentrant": True}.get(shape))
     opt = _optimizer(kind, net, groups=2 if shape == "param_groups" else 1)
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
     run = torch.compile(model, backend="eager") if shape == "compile" else model
@@ -111,6 +124,7 @@ def _train(rank, label, shape):
     try:
         for s in range(STEPS):
             x, y = _batch(rank, s)
+            x.requires_grad_(shape == "checkpoint_reentrant")  # else the first block's gradients are None
             before = _state(net, opt)
             try:
                 if shape == "closure":
