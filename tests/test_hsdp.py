@@ -8,6 +8,7 @@
   each element in an order set by where it falls in the buffer, a shard's or a whole tensor's.
 - gtopk below density 1: the selection is per FSDP unit's shard (k = density x the shard's length), the
   result the same on every replica, and the residual keeps what was not sent.
+- Activation checkpointing of every unit (reentrant or not) changes no bit, for gradient and weight relaxations.
 - Codecs: every replica holds the same weights (gradient codecs) or the same anchor (DiLoCo's outer weights)
   after every step, streaming DiLoCo with overlap included.
 """
@@ -16,6 +17,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 import bagua_lite
 from cluster import Cluster
@@ -29,13 +31,28 @@ def _net():
                                torch.nn.Linear(13, 5))
 
 
-def _sharded(R, S, native=False, bf16=False):
-    """``bf16``: compute in bf16, reduce in fp32 (MixedPrecisionPolicy), the mixed precision ShardedModel takes."""
+class _Checkpointed(torch.nn.Module):
+    """A layer whose activations are recomputed in backward (torchtitan wraps each block so, then shards it)."""
+
+    def __init__(self, inner, reentrant):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def _sharded(R, S, native=False, bf16=False, reentrant=None):
+    """``bf16``: compute in bf16, reduce in fp32 (MixedPrecisionPolicy), the mixed precision ShardedModel takes.
+    ``reentrant``: None, or every unit activation-checkpointed with ``use_reentrant`` so."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
     net = _net()
+    if reentrant is not None:
+        for i in (0, 2, 4):
+            net[i] = _Checkpointed(net[i], reentrant)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for i in (0, 2, 4):
@@ -60,17 +77,21 @@ def _full(net):
     return [p.detach().full_tensor().clone() for p in net.parameters()]
 
 
-def _r_train(rank, world, R, S, spec, optimizer="sgd", after_step=None, frozen=False, bf16=False):
+def _r_train(rank, world, R, S, spec, optimizer="sgd", after_step=None, frozen=False, bf16=False, reentrant=None):
     """Train STEPS steps; ``spec`` None: FSDP2's native HSDP. Returns the full weights after every step.
     ``frozen``: the middle layer's bias does not train (FSDP2 leaves it out of the reduce-scatter).
-    ``bf16``: under a MixedPrecisionPolicy computing in bf16 and reducing in fp32."""
-    net, mesh = _sharded(R, S, native=spec is None, bf16=bf16)
-    net[2].bias.requires_grad_(not frozen)
+    ``bf16``: under a MixedPrecisionPolicy computing in bf16 and reducing in fp32.
+    ``reentrant``: activation checkpointing (see ``_sharded``); the input then requires grad, so the first
+    unit's reentrant recomputation has a gradient to give."""
+    net, mesh = _sharded(R, S, native=spec is None, bf16=bf16, reentrant=reentrant)
+    if frozen:
+        net[2].bias.requires_grad_(False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd" \
         else torch.optim.AdamW(net.parameters(), lr=0.01)
     relaxed = None if spec is None else bagua_lite.ShardedModel(net, opt, algorithm=_algorithm(spec), mesh=mesh)
     history = []
     for x, y in _batches(rank):
+        x.requires_grad_(reentrant is not None)
         ((net(x) - y) ** 2).mean().backward()
         opt.step()
         opt.zero_grad()
@@ -127,6 +148,22 @@ def test_identity_equals_native_hsdp_with_a_frozen_parameter(c4):
     for rank in range(4):
         assert _equal(ours[rank][-1], native[rank][-1]), rank
         assert torch.equal(ours[rank][-1][3], ours[rank][0][3])  # the frozen bias did not move
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["checkpoint", "checkpoint_reentrant"])
+@pytest.mark.parametrize("spec", ["gradient_allreduce", {"name": "gtopk", "density": 0.3, "momentum_correction": 0},
+                                  {"name": "diloco", "period": 2}], ids=["identity", "gtopk", "diloco"])
+def test_activation_checkpointing_changes_nothing(c4, spec, reentrant):
+    """Every unit's activations recomputed in backward (in a nested backward of its own when reentrant):
+    every step bit for bit the same algorithm without it, and the identity FSDP2's own HSDP without it."""
+    plain = c4.run(_r_train, 2, 2, spec)
+    checkpointed = c4.run(_r_train, 2, 2, spec, "sgd", None, False, False, reentrant)
+    for rank in range(4):
+        for step in range(STEPS):
+            assert _equal(checkpointed[rank][step], plain[rank][step]), (rank, step)
+    if spec == "gradient_allreduce":
+        native = c4.run(_r_train, 2, 2, None)
+        assert all(_equal(checkpointed[r][-1], native[r][-1]) for r in range(4))
 
 
 @pytest.mark.parametrize("name", ["topk", "gtopk"])
