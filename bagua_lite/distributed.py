@@ -164,7 +164,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 f"AcceleratedOptimizer is one): build the DistributedModel with the optimizer you created, then "
                 f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer, "
                 f"accelerator=accelerator) first, then accelerator.prepare(model, optimizer, loader))")
-        check_wrappable(module)
+        self._frozen = check_wrappable(module)  # what was frozen at wrapping (FrozenAtWrap)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
                              "times per step, so ranks would run different numbers of communication rounds; use an "
@@ -303,6 +303,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 "build it with DistributedModel(net, optimizer, ..., accelerator=accelerator), which "
                 "accelerator.prepare(model, optimizer, loader) then keeps as it is")
         self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
+        self._frozen.check()
         if self._sync_enabled and torch.is_grad_enabled():
             self._settle_skipped_step()
         if self.broadcast_buffers and self._sync_enabled and torch.is_grad_enabled() and not self.algorithm.asynchronous:
@@ -326,7 +327,6 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             if margin is not None and self._elastic.pending is None:
                 self._elastic.look_for_admission(margin)
         self._algorithm_hook(self.algorithm.before_forward)
-
 
     def _sync_buffers(self):
         """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) to every rank

@@ -37,6 +37,7 @@ from .services import Services
 from .shard_units import find_units, resolve_groups
 from .step_hooks import StepHooks
 from .verdict import DeviceVerdict
+from .wrappable import FrozenAtWrap
 
 WHO = "ShardedModel"
 
@@ -114,6 +115,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
                     dist.broadcast(p.to_local(), src, group=group)
         #: the local shards of the trainable parameters, in module order: what weight relaxations average
         self.params = [p.to_local() for p in module.parameters() if p.requires_grad]
+        self._frozen = FrozenAtWrap(module, WHO, "FSDP2 unit as a whole")
         # a bucket per unit, a slot per parameter shaped like its padded shard (PowerSGD sees matrices)
         self.buckets = []
         for u in self.units:
@@ -146,6 +148,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
     @_compat.compiler_disable
     def _pre_forward(self, _module, _args):
         self._failfast.raise_if_failed("its ranks are out of step for good: restart from the last checkpoint")
+        self._frozen.check()
         if torch.is_grad_enabled():
             self._settle_skipped_step()
         self._algorithm_hook(self.algorithm.before_forward)
@@ -155,6 +158,13 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         (averaged inside the replica); it leaves holding what the algorithm makes of it across replicas."""
         b = self.buckets[unit.index]
         if out.numel() != b.numel or out.dtype != b.dtype:
+            frozen = [n for n, p in zip(unit.names, unit.params) if not p.requires_grad]
+            if frozen and len(frozen) < len(unit.params):  # FSDP2 reduce-scatters the others only
+                raise RuntimeError(
+                    f"{WHO}: parameter {frozen[0]!r} of FSDP2 unit {unit.name or '<root>'!r} was frozen after "
+                    f"ShardedModel was built, while other parameters of the unit train: freeze a unit whole (every "
+                    f"parameter of the module given to fully_shard; unfreezing it later is fine), or freeze it "
+                    f"before building ShardedModel (for good)")
             raise RuntimeError(
                 f"{WHO}: FSDP2 handed unit {unit.name or '<root>'!r} a reduced gradient of {out.numel()} {out.dtype} "
                 f"elements, {b.numel} {b.dtype} expected: a parameter of the unit got no gradient in this backward "

@@ -7,6 +7,9 @@ its reason instead of training silently wrong.
   replicas of an FSDP2-sharded model are :class:`bagua_lite.ShardedModel`'s.
 - A ``DistributedDataParallel`` (or another DistributedModel) inside: it would average every gradient a
   second time.
+
+And, at every training forward, that no parameter frozen when the model was wrapped has started to train
+(:class:`FrozenAtWrap`).
 """
 import sys
 
@@ -14,7 +17,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 
-def check_wrappable(module, who="DistributedModel"):
+def check_wrappable(module, who="DistributedModel") -> "FrozenAtWrap":
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
     for name, m in module.named_modules():
@@ -34,3 +37,28 @@ def check_wrappable(module, who="DistributedModel"):
                 f"every rank must hold. For a relaxation across the replicas of an FSDP2 model, shard it over "
                 f"the shard dimension of a 2-D (replicate, shard) mesh and use bagua_lite.ShardedModel(model, "
                 f"optimizer, algorithm=..., mesh=mesh) (docs/hsdp.md)")
+    return FrozenAtWrap(module, who)
+
+
+class FrozenAtWrap:
+    """The parameters that did not require grad when the model was wrapped. None of them has a bucket or
+    takes part in weight averaging, so one unfrozen later (gradual unfreezing of a backbone) would train on
+    each rank alone and the replicas would drift apart, silently (what DDP does). ``check`` refuses that at
+    the next training forward, before any traffic; it costs one attribute read per frozen parameter."""
+
+    def __init__(self, module, who="DistributedModel", what="parameter"):
+        self.who, self.what = who, what  # what may be frozen after wrapping: a parameter, or a whole unit
+        self.frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+
+    def check(self):
+        if not torch.is_grad_enabled():  # an evaluation trains nothing
+            return
+        for name, p in self.frozen:
+            if p.requires_grad:
+                raise RuntimeError(
+                    f"{self.who}: parameter {name!r} did not require grad when the model was wrapped and now does: "
+                    f"it has no place in the {self.who}'s buckets, so it would train on each rank alone and the "
+                    f"replicas would drift apart. Wrap the model with every parameter that will ever train "
+                    f"requiring grad, then freeze what should wait after wrapping (each {self.what}: "
+                    f"requires_grad_(False); it then gets no gradient, its .grad stays None, and unfreezing it "
+                    f"later is fine), or wrap the model again after unfreezing")

@@ -7,6 +7,8 @@ uses (its ``.grad`` stays None) and one only some ranks use, two forwards before
 warm-up only), AdamW with an LR
 scheduler, and evaluation under ``torch.no_grad()`` on rank 0 only (which must not communicate).
 """
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,3 +131,61 @@ def test_ddp_users_loop_every_family(clusters):
         if family in CENTRALIZED:
             assert len({bytes(o["weights"].view(torch.uint8).numpy()) for o in outs}) == 1, \
                 f"{family}: replicas differ"
+
+
+def _r_unfreeze(rank, P, family, after_wrap):
+    """``net.frozen`` starts to train at step 3 (gradual unfreezing), frozen before wrapping (``after_wrap``
+    False) or right after it. Returns (refused: (step, message) or None, the weights after every step)."""
+    name, options = FAMILIES[family]
+    net = Net()  # net.frozen does not require grad
+    net.frozen.requires_grad_(after_wrap)
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.01)  # a None .grad: skipped, decay too
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+    net.frozen.requires_grad_(False)
+    history, refused = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])], None
+    for step in range(6):
+        if step == 3:
+            net.frozen.requires_grad_(True)
+        x, y = _batch(rank, step)
+        try:
+            loss = F.cross_entropy(model(x), y)
+        except RuntimeError as e:
+            refused = (step, str(e))
+            break
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
+    model.close()
+    return refused, history
+
+
+def _r_unfreeze_all(rank, P):
+    return {(family, after): _r_unfreeze(rank, P, family, after) for family in FAMILIES for after in (False, True)}
+
+
+def test_a_parameter_unfrozen_after_wrapping_is_refused_unless_it_was_wrapped_trainable(clusters):
+    """A parameter frozen when the model was wrapped has no bucket: unfrozen later, it would train on each
+    rank alone and the replicas drift apart (DDP's silent behaviour; in a reproduction without the refusal
+    they were 0.03 apart after four steps). Refused at the next training forward on every rank, naming it, before anything
+    changed. Wrapped trainable and frozen after wrapping, it is frozen while frozen and trains, averaged,
+    once unfrozen."""
+    P = 3
+    res = clusters.get(P).run(_r_unfreeze_all, timeout=240)
+    start = sum(p.numel() for p in Net().body.parameters())  # net.frozen's weights follow the body's
+    frozen = slice(start, start + HIDDEN * HIDDEN + HIDDEN)
+    for family, (name, _) in FAMILIES.items():
+        for r in range(P):
+            refused, history = res[r][(family, False)]
+            assert refused is not None and refused[0] == 3, (family, r, refused)
+            assert "'frozen.weight'" in refused[1] and "when the model was wrapped" in refused[1], refused[1]
+            assert len(history) == 4  # the steps before it, and nothing after
+            refused, history = res[r][(family, True)]
+            assert refused is None, (family, r, refused)
+            # weight averaging may round it (a sum of P equal values / P), as for the unused parameter above
+            same = torch.equal if family in CENTRALIZED else functools.partial(torch.allclose, rtol=1e-6, atol=0)
+            assert all(same(h[frozen], history[0][frozen]) for h in history[:4]), (family, r)
+            assert not torch.equal(history[-1][frozen], history[0][frozen]), (family, r)
+        if family in CENTRALIZED or family == "periodic":  # periodic: averaged at steps 2, 4 and 6
+            for step in (range(7) if family in CENTRALIZED else (0, 2, 4, 6)):
+                assert len({bytes(res[r][(family, True)][1][step].numpy()) for r in range(P)}) == 1, (family, step)

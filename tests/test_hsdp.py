@@ -150,6 +150,56 @@ def test_identity_equals_native_hsdp_with_a_frozen_parameter(c4):
         assert torch.equal(ours[rank][-1][3], ours[rank][0][3])  # the frozen bias did not move
 
 
+def _r_unfreeze(rank, world, spec, after_wrap, layer=False):
+    """The middle layer's bias (``layer``: the whole layer, its FSDP2 unit) frozen before wrapping
+    (``after_wrap`` False) or right after, trainable from step 3 on. Returns (refused: (step, message) or
+    None, the full weights after every step)."""
+    net, mesh = _sharded(2, 2, native=spec is None)
+    frozen = net[2] if layer else net[2].bias
+    frozen.requires_grad_(after_wrap)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    relaxed = None if spec is None else bagua_lite.ShardedModel(net, opt, algorithm=_algorithm(spec), mesh=mesh)
+    history, refused = [], None
+    for step, (x, y) in enumerate(_batches(rank)):
+        frozen.requires_grad_(step >= 3)
+        try:
+            ((net(x) - y) ** 2).mean().backward()
+        except RuntimeError as e:
+            refused = (step, str(e))
+            break
+        opt.step()
+        opt.zero_grad()
+        history.append(_full(net))
+    if relaxed is not None:
+        relaxed.close()
+    return refused, history
+
+
+@pytest.mark.parametrize("spec", ["gradient_allreduce", {"name": "diloco", "period": 2}], ids=["identity", "diloco"])
+def test_a_parameter_unfrozen_after_wrapping_is_refused_unless_its_unit_was_wrapped_trainable(c4, spec):
+    """Frozen when ShardedModel was built, a parameter has no bucket: unfrozen, it would train on each replica
+    alone (0.056 apart after four steps in a reproduction without the refusal). Refused at the next forward
+    on every rank, naming it. A unit wrapped trainable and frozen whole after, trains once unfrozen, the
+    identity as FSDP2's own HSDP does it; frozen in part after wrapping (FSDP2 then reduce-scatters the
+    rest only), it is refused in that backward, naming it."""
+    for rank, (refused, history) in enumerate(c4.run(_r_unfreeze, spec, False)):
+        assert refused is not None and refused[0] == 3 and "'2.bias'" in refused[1], (rank, refused)
+        assert "when the model was wrapped" in refused[1] and len(history) == 3, rank
+    ours = c4.run(_r_unfreeze, spec, True, True)
+    for rank, (refused, history) in enumerate(ours):
+        assert refused is None, (rank, refused)
+        assert all(torch.equal(history[s][i], history[0][i]) for s in (1, 2) for i in (2, 3)), rank
+        assert not torch.equal(history[-1][3], history[2][3]), rank
+        assert _equal(history[-1], ours[0][1][-1]), rank  # the replicas (and shards) agree
+    if spec == "gradient_allreduce":
+        native = c4.run(_r_unfreeze, None, True, True)
+        for rank in range(4):
+            assert all(_equal(a, b) for a, b in zip(ours[rank][1], native[rank][1])), rank
+    for rank, (refused, history) in enumerate(c4.run(_r_unfreeze, spec, True)):
+        assert refused is not None and refused[0] == 0 and "'2.bias'" in refused[1], (rank, refused)
+        assert "frozen after ShardedModel was built" in refused[1] and not history, refused[1]
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["checkpoint", "checkpoint_reentrant"])
 @pytest.mark.parametrize("spec", ["gradient_allreduce", {"name": "gtopk", "density": 0.3, "momentum_correction": 0},
                                   {"name": "diloco", "period": 2}], ids=["identity", "gtopk", "diloco"])
