@@ -18,6 +18,8 @@ refuses before the optimizer changed anything:
 - ``grad_sync_flag``: the same two micro-batches as nanoGPT accumulates them, DDP's
   ``model.require_backward_grad_sync = (micro == last)`` before each forward, against the same reference;
 - ``compile``: ``torch.compile`` of the wrapped model (backend "eager": dynamo's tracing, torch's kernels);
+- ``compile_inner``: the module compiled before it is wrapped, as nanoGPT does before DDP (backend
+  "aot_eager": AOTAutograd makes backward one compiled node, so every gradient arrives at its end);
 - ``checkpoint`` / ``checkpoint_reentrant``: activation checkpointing of every block
   (``torch.utils.checkpoint``, as Hugging Face's ``gradient_checkpointing_enable`` does it), without and with
   ``use_reentrant``: the gradients arrive in a nested backward of their own, in another order, for the
@@ -66,7 +68,7 @@ SYNCHRONOUS = {"gradient_allreduce", "fp16", "bytegrad", "topk", "topk_no_correc
 # .grad holds the momentum-corrected sparse update (or qadam's averaged momentum), not a gradient
 REFUSE_RESCALED_GRAD = {"topk", "gtopk", "auto_topk", "qadam"}
 SHAPES = ("closure", "zero_grad_keep", "param_groups", "grad_scaler", "no_sync", "grad_sync_flag", "compile",
-          "checkpoint", "checkpoint_reentrant")
+          "checkpoint", "checkpoint_reentrant", "compile_inner")
 
 
 class Net(torch.nn.Module):
@@ -116,6 +118,8 @@ def _train(rank, label, shape):
     """STEPS steps of ``shape`` (None: the plain loop). Returns (state, None) or (None, (step, error))."""
     name, options, kind = ALGORITHMS[label]
     net = Net({"checkpoint": False, "checkpoint_reentrant": True}.get(shape))
+    if shape == "compile_inner":
+        net = torch.compile(net, backend="aot_eager")
     opt = _optimizer(kind, net, groups=2 if shape == "param_groups" else 1)
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
     run = torch.compile(model, backend="eager") if shape == "compile" else model
