@@ -103,6 +103,10 @@ class QAdam(Algorithm):
         self.fill(bucket, position, grad)  # g (zeros if this rank got none)
         self.adam.local_momentum(bucket.params[position], bucket.view(position))
 
+    @property
+    def grad_holds_update(self) -> bool:
+        return self.step >= self.warmup_steps  # .grad: the ranks' averaged Adam momentum
+
     def commit_round(self):
         self._synced = True
         if self.step >= self.warmup_steps:

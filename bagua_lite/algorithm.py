@@ -17,7 +17,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
 The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
 ``sync_gradients`` and ``after_step``) is what a relaxation usually writes.
 
-**Every algorithm: 32 names.** Hooks, in the order of one training step:
+**Every algorithm: 33 names.** Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
@@ -55,6 +55,8 @@ ranks then compare step counts before any bucket travels); ``cycle`` (steps afte
 pattern repeats: 1 for most, a periodic relaxation's period; the benchmark times whole cycles);
 ``on_shards`` (it runs across the replicas of an FSDP2-sharded model, :class:`bagua_lite.ShardedModel`) and
 ``check_shards(optimizer)`` (what it refuses there, raised before any traffic); ``device_verdict`` (below);
+``grad_holds_update`` (after a kept round ``.grad`` holds more than a gradient, and the round advanced state
+from it: a second synchronised backward before the step is refused);
 ``traffic(options, P, bucket_numels, ...)``, a classmethod describing what it moves, so that the cost model
 predicts it and auto can pick it.
 
@@ -138,6 +140,15 @@ class Algorithm:
     #: rank, inf/NaN where any rank's gradient was), "flags" (state put back there: rollback=True, working copies),
     #: "" (read on the host)
     device_verdict: str = ""
+
+    @property
+    def grad_holds_update(self) -> bool:
+        """After a kept round ``.grad`` holds more than an average of gradients and the round advanced state
+        from them (momentum correction's corrected update, qadam's averaged momentum): another synchronised
+        backward before the step would add a gradient to it, or after a ``zero_grad`` count the first one's
+        momentum as well, so it is refused (accumulate under ``no_sync()``). Default False: ``.grad`` is an
+        average of gradients, and a second backward adds to it as under DDP."""
+        return False
 
     def __init__(self):
         self.step = 0

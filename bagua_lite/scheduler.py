@@ -95,6 +95,7 @@ class Scheduler:
 
     def _start_backward(self):
         if not self._backward_active:
+            self._begin_round()
             if self.algorithm.step_dependent_wire:
                 # Sizes depend on the step: check it on the engine ahead of bucket 0, overlapped with
                 # backward. Otherwise the step count rides in the agreement after the buckets.

@@ -191,6 +191,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         out.copy_(b.flat)
 
     def _start_round(self):
+        self._begin_round()
         self._backward_active = True
         self._round_scales = _compat.scaler_scales(self.grad_scaler)
         self._verdict_round = self._verdict is not None and self._verdict.begin_round(

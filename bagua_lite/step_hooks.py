@@ -9,7 +9,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import _C
 from .bucket import host_read
-from .verdict import scaler_set_found_inf
+from .verdict import scaler_record, scaler_set_found_inf, scaler_stepped
 from ._failfast import PeerFailedError
 
 _LIVE = weakref.WeakSet()  # DistributedModels not yet closed, for _refuse_foreign_step
@@ -64,6 +64,9 @@ class StepHooks:
     #: DistributedModel sets it up, None: checks answer at once), and the parameters checked since it was
     #: last read, in hook order
     _local_flag = None
+    #: a synchronised round started since the last optimizer.step() (see _begin_round), and the model's
+    #: GradScaler's record of the iteration then
+    _round_unstepped, _round_record = False, None
     _local_unread = ()
     #: where checks stay on the device: the verdict read off a round's result (bagua_lite.verdict), else None
     _verdict = None
@@ -83,9 +86,36 @@ class StepHooks:
         """Whether ``optimizer`` holds any of this model's parameters."""
         return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
 
+    def _begin_round(self):
+        """At the start of a synchronised round: refuse a second one before the step where the first left
+        ``.grad`` holding an update (``Algorithm.grad_holds_update``), before any gradient is handed over."""
+        if self._round_unstepped and self.algorithm.grad_holds_update and self._last_round_kept():
+            raise RuntimeError(
+                f"bagua_lite: a second synchronised backward before optimizer.step() (this is rank {self.rank}, "
+                f"step {self.algorithm.step}, {self.algorithm.name}): after the first, .grad holds "
+                f"{self.algorithm.name}'s update, not a gradient, and its state (momenta) already took that "
+                f"gradient; another backward would add a gradient to the update (or, after zero_grad, count both). "
+                f"Accumulate micro-batches under no_sync() (or model.require_backward_grad_sync = False) for all "
+                f"but the last, as with DDP; weights and optimizer are as the first backward left them")
+        self._round_unstepped, self._round_record = True, scaler_record(self.grad_scaler)
+
+    def _last_round_kept(self) -> bool:
+        """Whether the last synchronised round's update is still waiting for its step: not if it was discarded
+        for inf/NaN, nor if the model's GradScaler ended the iteration since (its ``step()`` skips
+        ``optimizer.step()`` after an overflow, which the round may not know on the host)."""
+        return self._nonfinite_error is None and not scaler_stepped(self.grad_scaler, self.optimizer,
+                                                                    self._round_record)
+
     def _before_step(self, optimizer, args, kwargs):
         """The optimizer's step pre-hook, the only one: a closure first (it runs forward and backward, as
-        in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``."""
+        in ``loss = closure(); optimizer.step()``), then the refusals, then the algorithm's ``before_step``.
+        Whatever it raises, the rounds before it are spent (a next backward starts afresh)."""
+        try:
+            return self._step_checks(optimizer, args, kwargs)
+        finally:
+            self._round_unstepped = False
+
+    def _step_checks(self, optimizer, args, kwargs):
         if self._verdict is not None:
             self._verdict.clear()  # a found_inf left by a step that raised after its pre-hook
         self._raise_skipped_on_device()

@@ -54,6 +54,23 @@ def scaler_checked(scaler, optimizer) -> bool:
     return state is not None and state.get("stage") is OptState.UNSCALED and _inside_step_of(scaler)
 
 
+def scaler_record(scaler):
+    """The GradScaler's record of this iteration's optimizers (``update()`` replaces it), or None."""
+    return None if scaler is None else getattr(scaler, "_per_optimizer_states", None)
+
+
+def scaler_stepped(scaler, optimizer, record) -> bool:
+    """Whether ``scaler`` ended an iteration for ``optimizer`` since ``record`` (its ``scaler_record`` then):
+    its ``step()`` ran (it skips ``optimizer.step()`` after an overflow), or its ``update()`` did. No read."""
+    now = scaler_record(scaler)
+    if now is None:
+        return False
+    if now is not record:
+        return True
+    state = now.get(id(optimizer))
+    return state is not None and state.get("stage") is OptState.STEPPED
+
+
 def _inside_step_of(scaler) -> bool:
     frame = sys._getframe(2)
     for _ in range(16):  # the optimizer's step, its hooks' wrapper, ours: a few frames up

@@ -89,6 +89,10 @@ class ErrorFeedbackSparsifier(Algorithm):
                              f"sparse averages)")
 
     # ---- the optimizer's side: momentum correction and the sparse step (_momentum) ------------------------
+    @property
+    def grad_holds_update(self) -> bool:
+        return self._correction.active  # .grad: the momentum-corrected sparse update
+
     def before_forward(self):
         self._correction.restore()  # the .grad hidden by a step whose update raised (no after_step)
 
