@@ -7,6 +7,8 @@ its reason instead of training silently wrong.
   replicas of an FSDP2-sharded model are :class:`bagua_lite.ShardedModel`'s.
 - A ``DistributedDataParallel`` (or another DistributedModel) inside: it would average every gradient a
   second time.
+- An ``Embedding``/``EmbeddingBag`` with ``sparse=True`` that trains: its gradient is a sparse tensor, and the
+  buckets hold dense gradients (the codecs, top-k and the optimizer-side updates are dense).
 
 And, at every training forward, that no parameter frozen when the model was wrapped has started to train
 (:class:`FrozenAtWrap`).
@@ -26,6 +28,12 @@ def check_wrappable(module, who="DistributedModel") -> "FrozenAtWrap":
             raise ValueError(
                 f"{who}: {where} is a {type(m).__name__}, which averages gradients itself; wrapping it would "
                 f"average every gradient twice. Pass the plain module (the DDP's .module)")
+    for name, m in module.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(
+                f"{who}: submodule {name!r} is {type(m).__name__}(..., sparse=True), whose gradient is a sparse "
+                f"tensor; bagua_lite's buckets hold dense gradients. Build it with sparse=False (the default; "
+                f"with torch.optim.SparseAdam, use Adam), or freeze it")
     # A DTensor exists only once torch.distributed.tensor is imported; importing it here would add 1 s to
     # every process's import of bagua_lite.
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)

@@ -1,7 +1,8 @@
 """What DistributedModel refuses to wrap, on every rank before any traffic (P = 2, gloo): a model sharded with
 FSDP2's fully_shard (DTensor parameters: every algorithm exchanges whole tensors), a model that is or holds
-a DistributedDataParallel (gradients would be averaged twice), and what is not a module at all. After the
-refusals the group still works: a plain model then trains."""
+a DistributedDataParallel (gradients would be averaged twice), an embedding with sparse gradients that trains
+(the buckets are dense), and what is not a module at all. After the refusals the group still works: a plain
+model then trains, and so does one whose sparse embedding is frozen."""
 import pytest
 import torch
 
@@ -42,6 +43,9 @@ def _r_refusals(rank, world):
         "ours_inside": _refused(lambda: torch.nn.Sequential(
             bagua_lite.DistributedModel(n := _net(), torch.optim.SGD(n.parameters(), lr=0.1)))),
         "not_a_module": _refused(lambda: _net().parameters()),
+        "sparse_embedding": _refused(lambda: torch.nn.Sequential(torch.nn.EmbeddingBag(10, 4, sparse=True), _net())),
+        "frozen_sparse_embedding": _refused(lambda: torch.nn.Sequential(
+            torch.nn.EmbeddingBag(10, 4, sparse=True).requires_grad_(False), _net())),
     }
     net = _net()  # the group is still in step: a plain model trains
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -68,6 +72,10 @@ def test_sharded_and_doubly_wrapped_models_are_refused_on_every_rank():
         assert o["ours_inside"] and "its submodule '0' is a DistributedModel" in o["ours_inside"], o["ours_inside"]
         assert o["not_a_module"] and o["not_a_module"].startswith("TypeError: DistributedModel: module must be a "
                                                                    "torch.nn.Module, got generator"), o["not_a_module"]
+        assert o["sparse_embedding"] and o["sparse_embedding"].startswith(
+            "ValueError: DistributedModel: submodule '0' is EmbeddingBag(..., sparse=True)") \
+            and "sparse=False" in o["sparse_embedding"], o["sparse_embedding"]
+        assert o["frozen_sparse_embedding"] is None, o["frozen_sparse_embedding"]
     assert all(torch.equal(a, b) for a, b in zip(res[0]["trained"], res[1]["trained"]))
 
 
