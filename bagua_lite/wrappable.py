@@ -28,7 +28,6 @@ def check_wrappable(module, who="DistributedModel") -> "FrozenAtWrap":
             raise ValueError(
                 f"{who}: {where} is a {type(m).__name__}, which averages gradients itself; wrapping it would "
                 f"average every gradient twice. Pass the plain module (the DDP's .module)")
-    for name, m in module.named_modules():
         if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             raise ValueError(
                 f"{who}: submodule {name!r} is {type(m).__name__}(..., sparse=True), whose gradient is a sparse "
