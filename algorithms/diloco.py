@@ -27,6 +27,8 @@ its noise); 8 is slower everywhere.
 ``outer_optimizer``: ``{name: <a torch.optim class, any case>, <its keyword arguments>}``. Its state (momentum)
 and the anchor, and a sync still in flight, are in ``state_dict()``, so a resumed run continues bit for bit.
 """
+import torch
+
 from bagua_lite.algorithm import Algorithm, register
 from bagua_lite.averaging import WeightAverager
 from bagua_lite.compressors import get_compressor
@@ -155,7 +157,11 @@ class DiLoCo(DiLoCoMembership, Algorithm):
             else:
                 anchor.add_(change)  # plain averaging: theta + mean (x - theta)
         if self.outers:
+            spans = frag.frozen_spans()
+            held = _hold(self.outers[f], frag.anchors, spans) if spans else None
             self.outers[f].step()
+            if held:
+                _release(self.outers[f], frag.anchors, spans, held)
         frag.load_anchor(self.alpha if self.overlap else 0.0)
 
     def close(self):
@@ -181,3 +187,30 @@ class DiLoCo(DiLoCoMembership, Algorithm):
                 self.outers[f].load_state_dict(saved["outer"])
             if saved["pending"] is not None:  # a sync in flight when saved: merged at its step, as it was
                 self.pending[f] = Sync.restored(saved["pending"], frag.work)
+
+
+# A parameter frozen after wrapping (requires_grad False now) is left alone by the user's optimizer (its .grad
+# is None), and must be by the outer one too: its momentum would go on moving it. At a sync it takes the
+# replicas' mean change as is (outer lr 1, no momentum), so replicas frozen mid-period still end it identical,
+# and a parameter frozen for a whole period, uncompressed, does not move; its outer state is kept as it was
+# (zero where the outer optimizer had none yet, as its own initial state) and resumes once it is unfrozen:
+# what torch's optimizers do for a parameter whose .grad is None.
+def _hold(outer, anchors, spans):
+    """The frozen spans' anchor slices and outer-state slices, before the outer step."""
+    return [(anchors[g][o:o + n].clone(), {key: t[o:o + n].clone() for key, t in _flat_state(outer, anchors[g])})
+            for g, o, n in spans]
+
+
+def _release(outer, anchors, spans, held):
+    """After the outer step: each frozen span's anchor is its old one plus the mean change (the work buffer
+    holds its negation, the pseudo-gradient), its outer state what it was."""
+    for (g, o, n), (anchor, state) in zip(spans, held):
+        torch.sub(anchor, anchors[g].grad[o:o + n], out=anchors[g][o:o + n])
+        for key, t in _flat_state(outer, anchors[g]):
+            t[o:o + n].copy_(state[key]) if key in state else t[o:o + n].zero_()
+
+
+def _flat_state(outer, anchor):
+    """The outer optimizer's per-element state of one flat anchor (momentum, Adam's moments; not step counts)."""
+    return [(key, t) for key, t in outer.state.get(anchor, {}).items()
+            if torch.is_tensor(t) and t.shape == anchor.shape]

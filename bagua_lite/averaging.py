@@ -74,6 +74,17 @@ class WeightAverager:
                        *(f[g][o:o + n] for f in flats))
                 o += n
 
+    def frozen_spans(self) -> List[tuple]:
+        """(flat buffer index, offset, length) of each parameter that does not require grad now."""
+        spans = []
+        for g, (group, _) in enumerate(self.weights.groups):
+            o = 0
+            for p in group:
+                if not p.requires_grad:
+                    spans.append((g, o, p.numel()))
+                o += p.numel()
+        return spans
+
     def reduce_work(self, group) -> List[torch.Tensor]:
         """Average the work buffers over ``group`` in place (collective), compressed with error feedback
         where a compressor is set. Touches only the work buffers and residuals, never the parameters, so
