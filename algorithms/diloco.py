@@ -80,7 +80,9 @@ class DiLoCo(DiLoCoMembership, Algorithm):
             raise ValueError(f"{self.name}: fragments={self.fragments} but the model has {len(model.params)} "
                              f"parameter tensors; use at most that many fragments")
         anchored = not self.plain_average() or self.overlap > 0
-        self.frags = [WeightAverager(part, self.compression, self.name, anchored=anchored, chunks=self.sync_chunks)
+        owners = dict(zip(map(id, model.params), getattr(model, "owners", model.params)))  # shards: their DTensor
+        self.frags = [WeightAverager(part, self.compression, self.name, anchored=anchored, chunks=self.sync_chunks,
+                                     owners=owners)
                       for part in (split(model.params, self.fragments) if self.fragments > 1 else [model.params])]
         self.offsets = [f * self.period // self.fragments for f in range(self.fragments)]
         if not self.plain_average():

@@ -32,8 +32,9 @@ from .bucket import FlatWeights
 
 class WeightAverager:
     def __init__(self, params: List[torch.nn.Parameter], compression="none", who: str = "averaging",
-                 anchored: bool = False, chunks: int = 1):
+                 anchored: bool = False, chunks: int = 1, owners: Optional[dict] = None):
         self.weights = FlatWeights(params)
+        self.owners = owners or {}  # id(tensor) -> the parameter whose requires_grad it follows (a shard's)
         self.compressor = compressors.get_compressor(compression, who)
         self.snaps = [flat.clone() for flat in self.weights.gather()]  # x at snapshot()
         self.work = [torch.empty_like(f) for f in self.snaps]           # the average, once reduced
@@ -80,7 +81,7 @@ class WeightAverager:
         for g, (group, _) in enumerate(self.weights.groups):
             o = 0
             for p in group:
-                if not p.requires_grad:
+                if not self.owners.get(id(p), p).requires_grad:
                     spans.append((g, o, p.numel()))
                 o += p.numel()
         return spans

@@ -114,7 +114,9 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
                 for p in module.parameters():
                     dist.broadcast(p.to_local(), src, group=group)
         #: the local shards of the trainable parameters, in module order: what weight relaxations average
-        self.params = [p.to_local() for p in module.parameters() if p.requires_grad]
+        #: (``owners``: the DTensor parameter of each, whose ``requires_grad`` says whether it is frozen now)
+        self.owners = [p for p in module.parameters() if p.requires_grad]
+        self.params = [p.to_local() for p in self.owners]
         self._frozen = FrozenAtWrap(module, WHO, "FSDP2 unit as a whole")
         # a bucket per unit, a slot per parameter shaped like its padded shard (PowerSGD sees matrices)
         self.buckets = []

@@ -200,6 +200,36 @@ def test_a_parameter_unfrozen_after_wrapping_is_refused_unless_its_unit_was_wrap
         assert "frozen after ShardedModel was built" in refused[1] and not history, refused[1]
 
 
+def _r_frozen_diloco(rank, world):
+    """diloco (H = 2) with the middle unit frozen for steps 3-7, after it has outer momentum: the full weights
+    after every step."""
+    net, mesh = _sharded(2, 2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    relaxed = bagua_lite.ShardedModel(net, opt, algorithm=_algorithm({"name": "diloco", "period": 2}), mesh=mesh)
+    history = []
+    for step, (x, y) in enumerate(_batches(rank, 10)):
+        net[2].requires_grad_(not 3 <= step < 8)
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        history.append(_full(net))
+    relaxed.close()
+    return history
+
+
+def test_diloco_leaves_a_unit_frozen_after_building_alone(c4):
+    """Frozen after some syncs, the unit takes its replicas' mean change at the next sync (the end of step 3),
+    then stays bit for bit as it is at the syncs of steps 5 and 7: the outer momentum does not move it (it is
+    the DTensor parameter's requires_grad that counts, not its local shard's); unfrozen, it trains again."""
+    res = c4.run(_r_frozen_diloco)
+    for rank, history in enumerate(res):
+        for i in (2, 3):
+            assert not torch.equal(history[3][i], history[2][i]), (rank, i)
+            assert all(torch.equal(history[s][i], history[3][i]) for s in range(3, 8)), (rank, i)
+            assert not torch.equal(history[-1][i], history[7][i]), (rank, i)
+        assert all(_equal(history[s], res[0][s]) for s in (3, 5, 7, 9)), rank  # replicas agree after each sync
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["checkpoint", "checkpoint_reentrant"])
 @pytest.mark.parametrize("spec", ["gradient_allreduce", {"name": "gtopk", "density": 0.3, "momentum_correction": 0},
                                   {"name": "diloco", "period": 2}], ids=["identity", "gtopk", "diloco"])
