@@ -37,7 +37,7 @@ from .services import Services
 from .shard_units import find_units, resolve_groups
 from .step_hooks import StepHooks
 from .verdict import DeviceVerdict
-from .wrappable import FrozenAtWrap
+from .wrappable import ParametersAtWrap
 
 WHO = "ShardedModel"
 
@@ -117,7 +117,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         #: (``owners``: the DTensor parameter of each, whose ``requires_grad`` says whether it is frozen now)
         self.owners = [p for p in module.parameters() if p.requires_grad]
         self.params = [p.to_local() for p in self.owners]
-        self._frozen = FrozenAtWrap(module, WHO, "FSDP2 unit as a whole")
+        self._frozen = ParametersAtWrap(module, WHO, "FSDP2 unit as a whole")
         # a bucket per unit, a slot per parameter shaped like its padded shard (PowerSGD sees matrices)
         self.buckets = []
         for u in self.units:

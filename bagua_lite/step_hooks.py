@@ -26,8 +26,9 @@ def _refuse_foreign_step(optimizer, args, kwargs):
         if model._steps_parameters_of(optimizer):
             raise RuntimeError(
                 f"bagua_lite: a {type(optimizer).__name__} steps parameters of a DistributedModel built with "
-                f"another optimizer ({type(model.optimizer).__name__}); a DistributedModel takes one optimizer "
-                f"for all its parameters: give it one optimizer with several param groups")
+                f"another optimizer (a {type(model.optimizer).__name__}, not this one); a DistributedModel takes "
+                f"one optimizer for all its parameters: give it one optimizer with several param groups. To "
+                f"change optimizers mid-training, call close() on the model and wrap it again with the new one")
 
 
 def watch_foreign_steps(model) -> None:
