@@ -172,7 +172,7 @@ class DiLoCo(DiLoCoMembership, Algorithm):
 
     def state_dict(self):
         for job in self.pending.values():
-            self.model.wait_for(job.done)  # what a sync in flight brings back is part of the state
+            self.model.wait_for(job.done, job.step)  # what a sync in flight brings back is part of the state
         return {"step": self.step, "fragments": [
             {"averager": frag.state_dict(), "outer": self.outers[f].state_dict() if self.outers else None,
              "pending": self.pending[f].saved(frag.work) if f in self.pending else None}

@@ -37,6 +37,9 @@ class FailFast:
         self._next_check = 0.0
         #: called at every poll of a wait (fault tolerance's heartbeat watch: raises PeerFailedError)
         self.watch = None
+        #: the step whose communication this rank is in (set by the model; None: not watched, as under an
+        #: asynchronous algorithm, whose ranks run different numbers of steps by design)
+        self.step = None
 
     def announce(self, what: str) -> None:
         """This rank's communication failed: tell every peer (best effort; never raises)."""
@@ -47,6 +50,40 @@ class FailFast:
                 self.store.set(self.key, f"rank {self.rank}: {what}")
             except Exception:  # noqa: BLE001 - the store may be gone with the job
                 pass
+
+    def announce_closed(self, steps: int) -> None:
+        """This rank closed its model after ``steps`` steps: a peer that waits in a later step's communication
+        would wait for it until the group's timeout (uneven inputs), so it is told (best effort; the first
+        rank to close is the one named)."""
+        if self.store is None or self.failed is not None:
+            return
+        try:
+            if self.store.add(self.key + "/closers", 1) == 1:
+                self.store.set(self.key + "/closed", f"{self.rank} {steps}")
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            pass
+
+    def check_closed(self, step=None) -> None:
+        """Raise :class:`PeerFailedError` if a peer closed this model before ``step`` (default: ``self.step``),
+        whose communication it will then never join."""
+        step = self.step if step is None else step
+        if self.store is None or step is None:
+            return
+        try:
+            if not self.store.check([self.key + "/closed"]):
+                return
+            rank, steps = (int(v) for v in self.store.get(self.key + "/closed").decode().split())
+        except Exception:  # noqa: BLE001 - the store's host is gone: the collective will say more
+            return
+        if step <= steps:
+            return  # that peer took part in this step: its communication completes
+        self.failed = f"rank {rank} closed the model after {steps} steps"
+        raise PeerFailedError(
+            f"bagua_lite: rank {self.rank} stops waiting: rank {rank} closed this model after {steps} steps, and "
+            f"this rank waits in step {step}'s communication, which rank {rank} will never join: the ranks ran "
+            f"different numbers of steps (uneven inputs). Give every rank the same number of batches "
+            f"(DistributedSampler pads every rank to the same count; an IterableDataset or a sampler of your own "
+            f"must too), or stop every rank at the same step (an all_reduce of a 'done' flag before each step)")
 
     def raise_if_failed(self, consequence: str = "") -> None:
         """Refuse to go on once this model's communication is known to be broken (``consequence``: what
@@ -73,6 +110,7 @@ class FailFast:
         """``engine.wait_all()``, looking for a peer's failure every POLL_S seconds."""
         while not engine.wait_all_for(POLL_S):
             self.check()
+            self.check_closed()
             if self.watch is not None:
                 self.watch()
 
@@ -91,10 +129,12 @@ class FailFast:
             self._next_check = now + seconds
             self.check()
 
-    def wait_event(self, event) -> None:
+    def wait_event(self, event, step=None) -> None:
         """``event.wait()`` for an algorithm's own thread, looking for a peer's failure every POLL_S seconds
-        (the thread may sit in a collective with the failed rank until the group's timeout)."""
+        (the thread may sit in a collective with the failed rank until the group's timeout); ``step``: the
+        step the awaited work was started in (default: the one this rank is in)."""
         while not event.wait(POLL_S):
             self.check()
+            self.check_closed(step)
             if self.watch is not None:
                 self.watch()

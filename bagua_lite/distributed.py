@@ -310,8 +310,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             if self._elastic is None:
                 self._sync_buffers()
             elif self._elastic.pending is None:
-                try:  # on the engine, so that a peer's failure is seen (fail fast) instead of waited for
-                    self.run_collective("broadcast_buffers", self._sync_buffers)
+                try:  # a peer's failure is seen (fail fast) instead of waited for
+                    self._sync_buffers()
                 except (PeerFailedError, RuntimeError) as e:
                     self._elastic.recover(e)  # this step is discarded: it runs locally, optimizer.step() raises
         if self._elastic is not None and self._elastic.pending is None and not self.algorithm.sync_gradients() \
@@ -329,18 +329,17 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         self._algorithm_hook(self.algorithm.before_forward)
 
     def _sync_buffers(self):
-        """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's running statistics) to every rank
-        before each training forward, one coalesced broadcast per dtype. Asynchronous algorithms skip it
-        (it would make every rank wait for rank 0 each step); their averaging carries parameters only."""
-        if self.world_size == 1:  # nothing to send: not even the walk over every submodule
+        """DDP's ``broadcast_buffers``: rank 0's buffers (BatchNorm's statistics) to every rank before each training
+        forward, one broadcast per dtype. Asynchronous algorithms skip it (every rank would wait for rank 0)."""
+        buffers = [b for b in self.module.buffers() if b.numel()] if self.world_size > 1 else []
+        if not buffers:  # one rank: nothing to send, not even the walk over every submodule
             return
-        buffers = [b for b in self.module.buffers() if b.numel()]
-        if not buffers:
-            return
+        self._failfast.step = self.algorithm.step + 1  # the step this broadcast is in (a peer may have closed)
         with torch.no_grad():
             for group in plan_buckets(buffers, 1 << 62):  # one flat tensor per dtype and device
                 flat = torch._utils._flatten_dense_tensors(group)
-                comm.broadcast(flat, 0, self.process_group)
+                send = functools.partial(comm.broadcast, flat, 0, self.process_group)  # on the engine: fail fast
+                send() if flat.is_cuda and self._elastic is None else self.run_collective("broadcast_buffers", send)
                 for b, synced in zip(group, torch._utils._unflatten_dense_tensors(flat, group)):
                     b.copy_(synced)
 
@@ -373,6 +372,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
 
     def close(self):
         """Remove hooks, end the algorithm's own work (``Algorithm.close``) and stop the engine thread."""
+        self._failfast.announce_closed(self.algorithm.step)  # a peer waiting in a later step stops (uneven)
         for h in self._hooks:
             h.remove()
         self._hooks = []

@@ -34,10 +34,11 @@ class Services:
         thread's). Collective: every rank of the job calls it, in the same order."""
         return new_group_like(self.process_group)
 
-    def wait_for(self, event) -> None:
+    def wait_for(self, event, step=None) -> None:
         """``event.wait()`` for an algorithm's own thread's work, raising :class:`PeerFailedError` if a peer
-        fails meanwhile (the thread may sit in a collective with the failed peer until the timeout)."""
-        self._failfast.wait_event(event)
+        fails meanwhile (the thread may sit in a collective with the failed peer until the timeout), or closed
+        the model before ``step``, the step the work was started in (default: the step this rank is in)."""
+        self._failfast.wait_event(event, step)
 
     def _wait_engine(self):
         """Wait for every task on the engine, failing fast: a peer's announced failure raises

@@ -335,6 +335,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
 
     def close(self) -> None:
         """Remove the hooks, end the algorithm's own work and stop the engine thread."""
+        self._failfast.announce_closed(self.algorithm.step)  # a peer waiting in a later step stops (uneven)
         for h in self._hooks:
             h.remove()
         self._hooks = []

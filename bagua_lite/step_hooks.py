@@ -99,6 +99,7 @@ class StepHooks:
                 f"Accumulate micro-batches under no_sync() (or model.require_backward_grad_sync = False) for all "
                 f"but the last, as with DDP; weights and optimizer are as the first backward left them")
         self._round_unstepped, self._round_record = True, scaler_record(self.grad_scaler)
+        self._failfast.step = None if self.algorithm.asynchronous else self.algorithm.step + 1  # (uneven inputs)
 
     def _last_round_kept(self) -> bool:
         """Whether the last synchronised round's update is still waiting for its step: not if it was discarded
@@ -215,6 +216,9 @@ class StepHooks:
         raises, this model's ranks are out of step for good, so tell the peers (fail fast) first. With
         ``fault_tolerant=True`` and an algorithm that heals itself (DiLoCo's in-step sync), a lost peer is
         recovered from here and the step raises MembershipChanged."""
+        # the step its communication is in: after_step's, the step just taken; the others', the one being taken
+        self._failfast.step = None if self.algorithm.asynchronous else \
+            self.algorithm.step + (hook != self.algorithm.after_step)
         try:
             hook()
         except Exception as e:

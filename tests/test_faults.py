@@ -303,3 +303,55 @@ def test_killed_or_stopped_peer_every_algorithm(P, how):
     raised_after = [r for o in outcomes for r in o[1]]
     print(f"P={P} {how}, group timeout {pg_timeout} s: survivors raised after (s): {raised_after}")
     assert not hung, f"survivors that did not raise: {hung}"
+
+
+# ---- uneven inputs: a rank that ran out of batches and closed its model ---------------------------------
+UNEVEN = {
+    "dense_buffers": ("gradient_allreduce", {}),  # waits first in the forward's broadcast of BatchNorm's buffers
+    "gtopk": ("gtopk", {"density": 0.1}),       # in its buckets' rounds
+    "diloco": ("diloco", {"period": 2}),         # in its sync, after step 4
+    # the sync its thread started after step 4, merged after step 5
+    "streaming": ("diloco", {"period": 2, "fragments": 2, "overlap": 1}),
+    "asynchronous": ("async_model_average", {"sync_interval_ms": 20}),  # ranks run different step counts
+}
+
+
+def _r_uneven(rank, P, label):
+    name, options = UNEVEN[label]
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(D_IN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN), torch.nn.ReLU(),
+                              torch.nn.Linear(HIDDEN, CLASSES)) if label == "dense_buffers" else _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.001)
+    error, s = None, 0
+    try:
+        for s in range(3 if rank == 0 else 5):
+            _step(model, opt, rank, s)
+    except Exception as e:  # noqa: BLE001
+        error = (type(e).__name__, str(e))
+    finally:
+        model.close()
+    return error, s
+
+
+@pytest.mark.parametrize("label", sorted(UNEVEN))
+def test_uneven_inputs_fail_the_ranks_left_waiting_fast(label):
+    """Rank 0 has 3 batches, the others 5 (an IterableDataset or a sampler that does not pad): rank 0 closes
+    its model after 3 steps, and every other rank, waiting in step 4's communication, raises at once, naming
+    rank 0 and the cause, instead of waiting out torch's default 30-minute timeout (what it did before: gloo
+    says nothing while rank 0's process lives on). An asynchronous algorithm's ranks may run different numbers
+    of steps: each runs its own."""
+    c = Cluster(3, timeout_s=1800)
+    try:
+        res = c.run(_r_uneven, label, timeout=60)
+    finally:
+        c.close()
+    assert res[0] == (None, 2), res[0]
+    for r in (1, 2):
+        error, s = res[r]
+        if label == "asynchronous":
+            assert error is None and s == 4, (r, res[r])
+            continue
+        assert error is not None and error[0] == "PeerFailedError", (r, res[r])
+        assert s == (4 if label == "streaming" else 3), (r, res[r])
+        assert "rank 0 closed this model after 3 steps" in error[1] and "uneven inputs" in error[1], error[1]

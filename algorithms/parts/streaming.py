@@ -44,7 +44,7 @@ class Sync:
     def wait(self, model, what):
         """Wait for the sync, failing fast (its collective may wait on a failed peer); raise, on every rank
         alike, if it failed or the ranks started it at different steps."""
-        model.wait_for(self.done)
+        model.wait_for(self.done, self.step)  # a peer that closed after this step still finishes it
         if self.error is not None:
             model.fail(f"{what} failed: {self.error}")
             raise RuntimeError(f"{what} failed on rank {model.rank}: {self.error}") from self.error
