@@ -142,22 +142,29 @@ def _r_unfreeze(rank, P, family, after_wrap):
     opt = torch.optim.AdamW(net.parameters(), lr=3e-3, weight_decay=0.01)  # a None .grad: skipped, decay too
     model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
     net.frozen.requires_grad_(False)
-    history, refused = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])], None
-    for step in range(6):
-        if step == 3:
-            net.frozen.requires_grad_(True)
+    history = [torch.cat([p.detach().reshape(-1) for p in net.parameters()])]
+    refused = _steps_until_refused(rank, model, opt, 6, lambda step: step == 3 and net.frozen.requires_grad_(True),
+                                   lambda: history.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()])))
+    model.close()
+    return refused, history
+
+
+def _steps_until_refused(rank, model, opt, steps, before, after=None):
+    """``steps`` training steps, ``before(step)`` first in each and ``after()`` last; (step, message) of the
+    first forward refused, or None."""
+    for step in range(steps):
+        before(step)
         x, y = _batch(rank, step)
         try:
             loss = F.cross_entropy(model(x), y)
         except RuntimeError as e:
-            refused = (step, str(e))
-            break
+            return step, str(e)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        history.append(torch.cat([p.detach().reshape(-1) for p in net.parameters()]))
-    model.close()
-    return refused, history
+        if after is not None:
+            after()
+    return None
 
 
 def _r_unfreeze_all(rank, P):
@@ -200,19 +207,7 @@ def _r_new_head(rank, P, family):
     def train(net, steps, change=None):
         opt = torch.optim.AdamW(net.parameters(), lr=3e-3)
         model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
-        refused = None
-        for step in range(steps):
-            if step == 2 and change is not None:
-                change(net)
-            x, y = _batch(rank, step)
-            try:
-                loss = F.cross_entropy(model(x), y)
-            except RuntimeError as e:
-                refused = (step, str(e))
-                break
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+        refused = _steps_until_refused(rank, model, opt, steps, lambda step: step == 2 and change and change(net))
         model.close()
         return refused
 

@@ -181,17 +181,24 @@ def _r_frozen(rank, P, options):
     parameter requires grad, and for a frozen one no .grad (torch leaves it and its state alone) and the
     mean change added as is."""
     steps = 6 * H
+
+    def loop(net, opt, call, sync=None):
+        history = []
+        for s in range(steps):
+            net[2].requires_grad_(not _frozen(s))
+            x, y = _batch(rank, s)
+            F.cross_entropy(call(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if sync is not None and (s + 1) % H == 0:
+                sync()
+            history.append(_flat(net))
+        return history
+
     net = _net()
     opt = _inner(net)
     model = bagua_lite.DistributedModel(net, opt, build("diloco", period=H, **options), bucket_size_mb=0.001)
-    mine = []
-    for s in range(steps):
-        net[2].requires_grad_(not _frozen(s))
-        x, y = _batch(rank, s)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        mine.append(_flat(net))
+    mine = loop(net, opt, model)
     model.close()
     outer = options.get("outer_optimizer", {"name": "sgd", "lr": 0.7, "momentum": 0.9, "nesterov": True})
     if options.get("fragments", 1) > 1:
@@ -202,29 +209,22 @@ def _r_frozen(rank, P, options):
     thetas = [p.detach().clone() for p in params]
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[outer["name"]]
     outer_opt = cls(thetas, **{k: v for k, v in outer.items() if k != "name"})
-    ref = []
-    for s in range(steps):
-        net[2].requires_grad_(not _frozen(s))
-        x, y = _batch(rank, s)
-        F.cross_entropy(net(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        if (s + 1) % H == 0:
-            change, o = _average_in_pieces(_flat(net) - torch.cat([t.reshape(-1) for t in thetas]), CHUNKS), 0
+
+    def sync():
+        change, o = _average_in_pieces(_flat(net) - torch.cat([t.reshape(-1) for t in thetas]), CHUNKS), 0
+        for p, t in zip(params, thetas):
+            c = change[o:o + p.numel()].view_as(p)
+            o += p.numel()
+            if p.requires_grad:
+                t.grad = c.neg()
+            else:
+                t.grad = None
+                t.add_(c)
+        outer_opt.step()
+        with torch.no_grad():
             for p, t in zip(params, thetas):
-                c = change[o:o + p.numel()].view_as(p)
-                o += p.numel()
-                if p.requires_grad:
-                    t.grad = c.neg()
-                else:
-                    t.grad = None
-                    t.add_(c)
-            outer_opt.step()
-            with torch.no_grad():
-                for p, t in zip(params, thetas):
-                    p.copy_(t)
-        ref.append(_flat(net))
-    return mine, ref
+                p.copy_(t)
+    return mine, loop(net, opt, net, sync)
 
 
 @pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
