@@ -7,6 +7,14 @@ from ._groups import new_group_like
 class Services:
     """A DistributedModel's services to its algorithm (a mixin: it shares the model's state)."""
 
+    def __reduce_ex__(self, protocol):
+        # copy.deepcopy and pickle (torch.save) both come here; the model's groups, engine and threads cannot
+        # be copied, and a copy that made groups of its own would be a collective nobody else joins
+        raise TypeError(
+            f"a {type(self).__name__} cannot be copied or pickled (it holds process groups, an engine thread and "
+            f"hooks): copy or save the module it wraps (AveragedModel(model.module) for EMA/SWA, "
+            f"torch.save(model.state_dict()))")
+
     def fail(self, what: str) -> None:
         """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a
         second instead of waiting for the process group's timeout). Never raises."""

@@ -2,7 +2,11 @@
 FSDP2's fully_shard (DTensor parameters: every algorithm exchanges whole tensors), a model that is or holds
 a DistributedDataParallel (gradients would be averaged twice), an embedding with sparse gradients that trains
 (the buckets are dense), and what is not a module at all. After the refusals the group still works: a plain
-model then trains, and so does one whose sparse embedding is frozen."""
+model then trains, and so does one whose sparse embedding is frozen. A DistributedModel itself cannot be copied
+or pickled (deepcopy, torch.save, swa_utils.AveragedModel), with an error that says what to copy instead."""
+import copy as copy_module
+import io
+
 import pytest
 import torch
 
@@ -50,10 +54,19 @@ def _r_refusals(rank, world):
     net = _net()  # the group is still in step: a plain model trains
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     model = bagua_lite.DistributedModel(net, opt)
+    for what, copy in (("deepcopy", copy_module.deepcopy), ("torch.save", lambda m: torch.save(m, io.BytesIO())),
+                       ("AveragedModel", torch.optim.swa_utils.AveragedModel)):
+        try:
+            copy(model)
+        except TypeError as e:
+            out[what] = str(e)
+    swa = torch.optim.swa_utils.AveragedModel(model.module)  # what the refusal says to do instead
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
+    swa.update_parameters(model.module)
     model.close()
     out["trained"] = [p.detach().clone() for p in net.parameters()]
+    out["averaged"] = [p.detach().clone() for p in swa.module.parameters()]
     return out
 
 
@@ -76,6 +89,11 @@ def test_sharded_and_doubly_wrapped_models_are_refused_on_every_rank():
             "ValueError: DistributedModel: submodule '0' is EmbeddingBag(..., sparse=True)") \
             and "sparse=False" in o["sparse_embedding"], o["sparse_embedding"]
         assert o["frozen_sparse_embedding"] is None, o["frozen_sparse_embedding"]
+        for what in ("deepcopy", "torch.save", "AveragedModel"):  # it said: cannot pickle ProcessGroup
+            assert "a DistributedModel cannot be copied or pickled" in o.get(what, ""), (what, o.get(what))
+            assert "AveragedModel(model.module)" in o[what], o[what]
+        # swa_utils averages the first update in as the weights themselves
+        assert all(torch.equal(a, b) for a, b in zip(o["averaged"], o["trained"])), r
     assert all(torch.equal(a, b) for a, b in zip(res[0]["trained"], res[1]["trained"]))
 
 
