@@ -14,7 +14,8 @@ The loop around a ShardedModel is FSDP2's own, and what a user does in it must k
    resuming without the algorithm's state does not.
 6. a non-finite gradient on one rank: optimizer.step() raises FloatingPointError on every rank, nothing moves
    (weights, residuals), training goes on in step; under a GradScaler every rank skips and keeps one scale.
-7. a peer dies or raises before its backward: every other rank raises (a RuntimeError) instead of hanging.
+7. a peer dies or raises before its backward: every other rank raises (a RuntimeError) instead of hanging;
+   a replica that closes after fewer steps (uneven inputs) makes the other's ranks raise at once.
 8. refusals raise on every rank before any collective, and leave the model, the optimizer and the group usable.
 
 Every parity compares each full weight (``full_tensor()``) with torch.equal. The model's dim 0 (13, 5) does
@@ -23,6 +24,7 @@ not divide the shard count, so FSDP2 pads the last shard.
 import contextlib
 import datetime
 import os
+import re
 import time
 
 import pytest
@@ -593,6 +595,40 @@ def test_peer_failure_raises_on_every_survivor(spec, how):
         assert raised and "RuntimeError" in names, (rank, names, msg)
         assert seconds < 4 * pg_timeout + 10, (rank, seconds, msg)
         print(f"{how}: rank {rank} raised {names[0]} after {seconds:.1f} s: {msg[:120]}")
+
+
+def _r_uneven(rank, world, spec):
+    """Replica 0 (ranks 0, 1) has 3 batches, replica 1 (ranks 2, 3) 5: (the exception's type and message or
+    None, the last step begun) per rank."""
+    net, opt, relaxed = _model(2, 2, spec)
+    error, step = None, 0
+    try:
+        for step, (x, y) in enumerate(_batches(rank, 3 if rank < 2 else 5)):
+            _loss(net, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001
+        error = (type(e).__name__, str(e))
+    finally:
+        _close(relaxed)
+    return error, step
+
+
+@pytest.mark.parametrize("spec", ["gradient_allreduce", DILOCO], ids=["allreduce", "diloco"])
+def test_uneven_inputs_across_replicas_fail_the_ranks_left_waiting_fast(spec):
+    """torch's default timeout (30 minutes): replica 0 closes after 3 steps, and replica 1's ranks, whose
+    exchange across replicas waits in step 4, raise at once, naming a rank that closed and the cause. (Inside
+    a replica, FSDP2's own collectives would wait.)"""
+    c = Cluster(4, timeout_s=1800)
+    try:
+        res = c.run(_r_uneven, spec, timeout=60)
+    finally:
+        c.close()
+    assert res[0] == (None, 2) and res[1] == (None, 2), res[:2]
+    for rank in (2, 3):
+        error, step = res[rank]
+        assert error is not None and error[0] == "PeerFailedError" and step == 3, (rank, res[rank])
+        assert re.search(r"rank [01] closed this model after 3 steps", error[1]) and "uneven inputs" in error[1], error
 
 
 # ---- 8. refusals ------------------------------------------------------------------------------------------------
