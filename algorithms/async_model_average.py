@@ -90,7 +90,8 @@ class AsyncModelAverage(Algorithm):
         _control.setup(self.group, ranks)  # a no-op unless BAGUA_LITE_CONTROL_GROUP=side
         self._stop_wait_s = group_timeout(self.group).total_seconds() + self.sync_interval_ms / 1000 + 10
         # .data: average the storage without bumping autograd's version counters (see the docstring)
-        self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average")
+        self.averager = WeightAverager([p.data for p in model.params], self.compression, "async_model_average",
+                                       aliased=model.params)
         joiners = model.membership.joiners_waiting if model.membership is not None else None
         self.thread = AveragingThread(self.averager, self.group, self.sync_interval_ms / 1000, self._step_lock,
                                       joiners, rounds)

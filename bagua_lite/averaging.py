@@ -27,14 +27,16 @@ from typing import List, Optional
 import torch
 
 from . import comm, compressors
-from .bucket import FlatWeights
+from .bucket import FlatWeights, refuse_converted
 
 
 class WeightAverager:
     def __init__(self, params: List[torch.nn.Parameter], compression="none", who: str = "averaging",
-                 anchored: bool = False, chunks: int = 1, owners: Optional[dict] = None):
+                 anchored: bool = False, chunks: int = 1, owners: Optional[dict] = None, aliased=None):
         self.weights = FlatWeights(params)
         self.owners = owners or {}  # id(tensor) -> the parameter whose requires_grad it follows (a shard's)
+        # ``params`` given as the ``.data`` of ``aliased``: what snapshot() checks they still are
+        self.aliased = list(zip(params, aliased)) if aliased is not None else []
         self.compressor = compressors.get_compressor(compression, who)
         self.snaps = [flat.clone() for flat in self.weights.gather()]  # x at snapshot()
         self.work = [torch.empty_like(f) for f in self.snaps]           # the average, once reduced
@@ -71,6 +73,8 @@ class WeightAverager:
             o = 0
             for p in group:
                 n = p.numel()
+                if p.dtype != flats[0][g].dtype or p.device != flats[0][g].device:
+                    refuse_converted(None, p, flats[0][g])
                 yield (p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1),
                        *(f[g][o:o + n] for f in flats))
                 o += n
@@ -116,6 +120,13 @@ class WeightAverager:
 
     def snapshot(self) -> None:
         """Copy the current weights (call under the caller's lock if others may step meanwhile)."""
+        for alias, p in self.aliased:  # a .data replaced (model.double(), .to(), p.data = ...) after wrapping
+            if p.data_ptr() != alias.data_ptr() or p.dtype != alias.dtype:
+                raise RuntimeError(
+                    f"bagua_lite: parameter of shape {tuple(p.shape)} no longer holds the storage it had when the "
+                    f"model was wrapped ({p.dtype} now, {alias.dtype} then; a conversion such as .double() or "
+                    f".to(), or an assignment to .data): the averaging would go on with the old one. Convert or "
+                    f"assign before wrapping, or wrap the model again after")
         for snap, flat in zip(self.snaps, self.weights.gather()):
             snap.copy_(flat)
 

@@ -186,6 +186,18 @@ def plan_model_buckets(module: torch.nn.Module, bucket_size_mb: float) -> List[L
     return plan_buckets(params[::-1], int(bucket_size_mb * 2 ** 20))
 
 
+def refuse_converted(module, p, like) -> None:
+    """Raise: parameter ``p`` is no longer of ``like``'s dtype and device, which the buckets and weight buffers
+    made at wrapping have (``module.half()``, ``.double()`` or ``.to(...)`` after wrapping)."""
+    name = repr(next((n for n, q in module.named_parameters() if q is p), "?")) if module is not None \
+        else f"of shape {tuple(p.shape)}"
+    raise RuntimeError(
+        f"bagua_lite: parameter {name} is {p.dtype} on {p.device} now, but was {like.dtype} on {like.device} "
+        f"when the model was wrapped, which is what its buckets and weight buffers hold; convert the model "
+        f"(.half(), .double(), .to(...)) before wrapping it, or wrap it again after (for mixed precision, "
+        f"torch.autocast keeps the parameters as they are)")
+
+
 class FlatWeights:
     """A reusable flat copy of a parameter list's weights, for algorithms that average weights."""
 
@@ -200,6 +212,8 @@ class FlatWeights:
             for group, flat in self.groups:
                 o = 0
                 for p in group:
+                    if p.dtype != flat.dtype or p.device != flat.device:
+                        refuse_converted(None, p, flat)
                     flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
                     o += p.numel()
         return [flat for _, flat in self.groups]

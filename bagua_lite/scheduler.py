@@ -20,6 +20,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from . import _C, _compat
 from ._failfast import PeerFailedError
+from .bucket import refuse_converted
 
 
 class Scheduler:
@@ -115,10 +116,12 @@ class Scheduler:
         """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot. With a
         loss scaler the algorithm gets the true gradient (one more pass: residuals, momenta and selections
         then stay at one scale whatever the scaler does)."""
+        view = b.view(j)
+        if p.grad is not None and p.grad is not view and (p.grad.dtype, p.grad.device) != (view.dtype, view.device):
+            refuse_converted(self.module, p, view)
         if self._round_scales is not None and p.grad is not None:
             p.grad.mul_(self._round_scales[1])
         self.algorithm.on_gradient(b, j, p.grad)
-        view = b.view(j)
         if p.grad is not view:  # autograd accumulated into the slot itself: the setter's checks are not needed
             p.grad = view
 

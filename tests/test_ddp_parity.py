@@ -8,6 +8,7 @@ warm-up only), AdamW with an LR
 scheduler, and evaluation under ``torch.no_grad()`` on rank 0 only (which must not communicate).
 """
 import functools
+import time
 
 import pytest
 import torch
@@ -226,6 +227,55 @@ def _r_new_head(rank, P, family):
     everyone = [torch.empty_like(weights) for _ in range(P)]
     torch.distributed.all_gather(everyone, weights)
     return refused, kept, with_teacher, all(torch.equal(everyone[0], w) for w in everyone)
+
+
+def _r_converted(rank, P, family):
+    """The model converted to float64 after two steps (inputs too): the first error's step and message. SGD
+    without momentum keeps no state (AdamW's float32 moments would make its own step raise first, as in a
+    plain loop); qadam needs Adam."""
+    name, options = FAMILIES[family]
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=3e-3) if name == "qadam" else torch.optim.SGD(net.parameters(), lr=0.05)
+    model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+    for step in range(200 if family == "asynchronous" else 8):  # asynchronous: until its thread averages
+        if step == 2:
+            net.double()
+        x, y = _batch(rank, step)
+        try:
+            F.cross_entropy(model(x.double() if step >= 2 else x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if family == "asynchronous":
+                time.sleep(0.05)  # an average (every 20 ms, on its thread) between steps
+        except RuntimeError as e:
+            model.close()
+            return step, str(e)
+    model.close()
+    return None
+
+
+def _r_converted_all(rank, P):
+    return {family: _r_converted(rank, P, family) for family in FAMILIES}
+
+
+def test_a_model_converted_after_wrapping_is_refused(clusters):
+    """``model.double()`` after wrapping left the buckets and weight buffers in float32: ATen's errors
+    ("Expected out tensor to have dtype double"; a grad_dtype mismatch) for gradient algorithms, and for weight
+    averaging a silent round trip through float32 at every average (asynchronous averaging went on averaging
+    the old float32 storage, the model's weights no longer among them). Now each says which parameter changed
+    and what to do, at its first backward (gradient algorithms) or average (weight relaxations) after it."""
+    P = 2
+    res = clusters.get(P).run(_r_converted_all, timeout=240)
+    for family in FAMILIES:
+        for r in range(P):
+            got = res[r][family]
+            assert got is not None, (family, r)
+            step, msg = got
+            assert ("is torch.float64 on cpu now, but was torch.float32" in msg or family == "asynchronous" and
+                    "no longer holds the storage it had when the model was wrapped (torch.float64 now" in msg), msg
+            assert "before wrapping" in msg, msg
+            if family in CENTRALIZED:
+                assert step == 2 and "parameter 'head.bias'" in msg, (family, got)  # the first gradient ready
 
 
 def _r_new_head_all(rank, P):
