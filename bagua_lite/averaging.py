@@ -27,7 +27,7 @@ from typing import List, Optional
 import torch
 
 from . import comm, compressors
-from .bucket import FlatWeights, refuse_converted
+from .bucket import FlatWeights, check_unconverted
 
 
 class WeightAverager:
@@ -73,8 +73,7 @@ class WeightAverager:
             o = 0
             for p in group:
                 n = p.numel()
-                if p.dtype != flats[0][g].dtype or p.device != flats[0][g].device:
-                    refuse_converted(None, p, flats[0][g])
+                check_unconverted(p, flats[0][g])
                 yield (p.detach().view(-1) if p.is_contiguous() else p.detach().reshape(-1),
                        *(f[g][o:o + n] for f in flats))
                 o += n

@@ -186,9 +186,13 @@ def plan_model_buckets(module: torch.nn.Module, bucket_size_mb: float) -> List[L
     return plan_buckets(params[::-1], int(bucket_size_mb * 2 ** 20))
 
 
-def refuse_converted(module, p, like) -> None:
-    """Raise: parameter ``p`` is no longer of ``like``'s dtype and device, which the buckets and weight buffers
-    made at wrapping have (``module.half()``, ``.double()`` or ``.to(...)`` after wrapping)."""
+def check_unconverted(p, like, module=None, held=None) -> None:
+    """Raise if parameter ``p`` (or ``held``, its gradient) is no longer of ``like``'s dtype and device, which the
+    buckets and weight buffers made at wrapping have (``module.half()``, ``.double()`` or ``.to(...)`` after
+    wrapping); ``module`` names it."""
+    held = p if held is None else held
+    if held.dtype == like.dtype and held.device == like.device:
+        return
     name = repr(next((n for n, q in module.named_parameters() if q is p), "?")) if module is not None \
         else f"of shape {tuple(p.shape)}"
     raise RuntimeError(
@@ -212,8 +216,7 @@ class FlatWeights:
             for group, flat in self.groups:
                 o = 0
                 for p in group:
-                    if p.dtype != flat.dtype or p.device != flat.device:
-                        refuse_converted(None, p, flat)
+                    check_unconverted(p, flat)
                     flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
                     o += p.numel()
         return [flat for _, flat in self.groups]

@@ -20,7 +20,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from . import _C, _compat
 from ._failfast import PeerFailedError
-from .bucket import refuse_converted
+from .bucket import check_unconverted
 
 
 class Scheduler:
@@ -117,8 +117,8 @@ class Scheduler:
         loss scaler the algorithm gets the true gradient (one more pass: residuals, momenta and selections
         then stay at one scale whatever the scaler does)."""
         view = b.view(j)
-        if p.grad is not None and p.grad is not view and (p.grad.dtype, p.grad.device) != (view.dtype, view.device):
-            refuse_converted(self.module, p, view)
+        if p.grad is not None and p.grad is not view:  # not the slot itself: the model may have been converted
+            check_unconverted(p, view, self.module, p.grad)
         if self._round_scales is not None and p.grad is not None:
             p.grad.mul_(self._round_scales[1])
         self.algorithm.on_gradient(b, j, p.grad)
