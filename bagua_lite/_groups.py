@@ -1,4 +1,6 @@
 """Resolving and validating the process-group argument shared by every collective."""
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -42,3 +44,38 @@ def new_group_like(group, ranks=None):
     new = dist.new_group(ranks, timeout=group_timeout(group))
     _control.setup(new, ranks, group_timeout(group))  # its control traffic's group, made with it
     return new
+
+
+# Open models (DistributedModel, ShardedModel) per group: id(group) -> (group, the open models whose engine
+# sends on it; weakly held: one whose constructor raised no longer counts once collected). Two engines on one group
+# would post their collectives from two threads, in an order that differs across ranks; gloo then aborts the
+# process ("Received data size doesn't match expected size").
+_engines_on = {}
+
+
+def in_use(group) -> bool:
+    """Whether an open model of this process sends its engine's traffic on ``group``."""
+    entry = _engines_on.get(id(group))
+    return entry is not None and entry[0] is group and len(entry[1]) > 0
+
+
+def hold(group, model) -> None:
+    entry = _engines_on.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _engines_on[id(group)] = (group, weakref.WeakSet())
+    entry[1].add(model)
+
+
+def release(group, model) -> None:
+    entry = _engines_on.get(id(group))
+    if entry is not None and entry[0] is group:
+        entry[1].discard(model)
+        if not entry[1]:
+            del _engines_on[id(group)]
+
+
+def any_rank(flag: bool, group) -> bool:
+    """Whether ``flag`` is true on any rank of ``group`` (one MAX allreduce of one int64 on it)."""
+    t = torch.tensor([int(flag)], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t[0])

@@ -258,6 +258,7 @@ class RoundAgreement:
         ranks = [r for r, b in enumerate(firsts) if b >= 0]
         if not ranks:
             self.algorithm.commit_round()
+            self._round_versions = [b.flat._version for b in self.buckets]  # (a zero_grad in place moves them)
             if self._verdict_round:  # left on the device, for optimizer.step() to hand over
                 self._verdict.pending = True
             return

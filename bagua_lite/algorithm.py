@@ -17,7 +17,7 @@ An algorithm is a handful of hooks (BAGUA's shape, without a config/impl pair pe
 The contract, every name documented here once. Everything has a default; ``bucket_ops`` (or
 ``sync_gradients`` and ``after_step``) is what a relaxation usually writes.
 
-**Every algorithm: 33 names.** Hooks, in the order of one training step:
+**Every algorithm: 34 names.** Hooks, in the order of one training step:
 
 ``init(model)``            once, after buckets exist (allocate residuals, build groups)
 ``bucket_ops(bucket)``     once per bucket: the list of ops that bucket runs each step
@@ -27,15 +27,14 @@ The contract, every name documented here once. Everything has a default; ``bucke
 ``before_forward()``       at the start of every forward
 ``sync_gradients()``       whether this step's gradients go through the bucket ops (default True)
 ``commit_round()``         after a synchronised backward, once the ranks agreed that every rank's gradient
-                           was finite: the round is kept. Most algorithms need none: tensors declared with
-                           ``register_state(..., rollback=True)`` are put back by the framework when the round
-                           is discarded (some rank's gradient was non-finite: the framework then makes every
-                           rank's ``.grad`` NaN, so a loss scaler skips the step, and without one
-                           ``optimizer.step()`` raises). It exists for what a copy back cannot express: state
-                           that becomes current by a swap (Top-k's double-buffered residuals and momenta,
-                           which a rollback would copy twice per step) and what a kept round hands to the
-                           optimizer step (which entries the sparse result wrote). With a verdict left on the
-                           device every round is committed (see ``register_working_copies``)
+                           was finite: the round is kept. Most algorithms need none: ``register_state(...,
+                           rollback=True)`` tensors are put back by the framework when the round is discarded
+                           (some rank's gradient was non-finite: every rank's ``.grad`` is then NaN, so a loss
+                           scaler skips the step, and without one ``optimizer.step()`` raises). It is for state
+                           that becomes current by a swap (Top-k's double-buffered residuals and momenta) and what
+                           a kept round hands to the step (see ``register_working_copies`` for a device verdict)
+``undo_round()``           a kept round whose gradients the loop threw away before any step (``zero_grad()``: a
+                           GAN's discriminator after the generator's step): undo what ``commit_round`` swapped in
 ``before_step()``          inside every ``optimizer.step()``, before the optimizer's own update (after the
                            closure, if one was passed, ran its forward and backward)
 ``after_step()``           after every ``optimizer.step()``; ``step`` counts completed steps
@@ -251,6 +250,9 @@ class Algorithm:
     def commit_round(self) -> None:
         """Every rank's gradient was finite: the round is kept (see the module docstring for who needs this;
         a discarded round needs no hook: ``register_state(..., rollback=True)`` state is put back)."""
+
+    def undo_round(self) -> None:
+        """Undo :meth:`commit_round` (rollback=True state is put back already; never where grad_holds_update)."""
 
     def regroup(self) -> None:
         """With ``fault_tolerant=True``: the model now runs on the survivors' new group and the round in

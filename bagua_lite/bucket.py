@@ -44,6 +44,9 @@ class Bucket:
         self.flat = torch.zeros(n, dtype=self.dtype, device=self.device)
         self._views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
         self.ops = []
+        #: autograd accumulated a gradient into a slot outside a synchronised round (under no_sync(), while
+        #: ``.grad`` was the slot): the bucket holds more than the last round left there (sparse results)
+        self.touched = False
         self._sealed = None
         #: one int32 on the bucket's device that the non-finite check sets instead of answering the host
         #: (``defer_nonfinite_checks``); None: the check answers at once

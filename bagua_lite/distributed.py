@@ -184,9 +184,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             raise TypeError(f"DistributedModel: fault_tolerant must be True or False, got {fault_tolerant!r}")
         if fault_tolerant and _control.needs_side_group(self.process_group):
             raise ValueError(f"DistributedModel: fault_tolerant=True needs a process group that carries CPU tensors "
-                             f"(gloo, or \"cpu:gloo,cuda:nccl\"); this one's backend is "
-                             f"{dist.get_backend(self.process_group)!r}. On GPUs, init_process_group("
-                             f"\"cpu:gloo,cuda:nccl\") (BAGUA_LITE_CONTROL_GROUP must not be 'side')")
+                             f"(gloo, or \"cpu:gloo,cuda:nccl\"), not {dist.get_backend(self.process_group)!r}. On "
+                             f"GPUs, init_process_group(\"cpu:gloo,cuda:nccl\") (BAGUA_LITE_CONTROL_GROUP not 'side')")
         _control.setup(self.process_group)  # the group this model's control traffic takes (control_group)
         if fault_tolerant:
             check_fault_tolerant(algorithm, min_workers, on_membership_change, rejoin_window_s, self.world_size,
@@ -195,6 +194,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         self.broadcast_buffers = bool(broadcast_buffers)
         self._round_scales = None  # the scaler's (scale, 1 / scale) for this round's buckets
         self._check_same_config()
+        self._take_group(self.control_group, fault_tolerant)  # a copy, if another open model uses the group
         if broadcast_parameters:
             with torch.no_grad():
                 for t in list(module.parameters()) + list(module.buffers()):
@@ -225,8 +225,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             port = _Port(self, self._gather_ints, self._share_state, functools.partial(self._admit, joining=False))
             self._elastic = elastic.Controller(self, port, min_workers, on_membership_change, rejoin_window_s,
                                                membership, heartbeat_timeout_s)
-        #: with ``fault_tolerant=True``, what an algorithm that opts in sees of the membership
-        #: (:class:`bagua_lite.elastic.MembershipView`); None otherwise
+        #: with ``fault_tolerant=True``, what an algorithm that opts in sees of the membership (MembershipView), else None
         self.membership = elastic.MembershipView(self._elastic) if fault_tolerant else None
         self._no_tensor = torch.empty(0)
         self._engine_abandoned = False
@@ -234,12 +233,10 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         self._local_bad = None  # first parameter with a non-finite local gradient (relaxations that keep them local)
         self._unsynced = False  # a backward ran under no_sync() and no synchronised round followed it yet
         self._sync_enabled = True
-        self._backward_active = False
         self._ready = [0] * len(self.buckets)
         self._marked = [[False] * len(b.params) for b in self.buckets]
         self._next_bucket = 0
-        # seconds this process waited: for the buckets after backward, and in the agreement after them
-        self.timings = {"backward_wait_s": 0.0, "agree_s": 0.0}
+        self.timings = {"backward_wait_s": 0.0, "agree_s": 0.0}  # waited for the buckets, in the agreement after
         #: the algorithm the model was built with; ``algorithm`` differs from it after a
         #: :meth:`switch_algorithm` (auto hands the model its pick)
         self.configured_algorithm = algorithm
@@ -249,16 +246,18 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self._param_ids = {id(p) for p in module.parameters()}
         step_hooks.watch_foreign_steps(self)
-        self.algorithm = algorithm
-        self._install(algorithm)
-        if accelerator is not None:
-            accelerate_support.attach(self, accelerator)
-        if membership is not None:
-            self._admit(joining=True)
-            launch.joined()
-            if on_membership_change is not None:
-                on_membership_change(len(membership.read(membership.generation - 1)), self.world_size)
-
+        try:  # a refusal from here on (the algorithm's, Accelerate's) leaves the module and optimizer as they were
+            self._install(algorithm)
+            if accelerator is not None:
+                accelerate_support.attach(self, accelerator)
+            if membership is not None:
+                self._admit(joining=True)
+                launch.joined()
+                if on_membership_change is not None:
+                    on_membership_change(len(membership.read(membership.generation - 1)), self.world_size)
+        except BaseException:
+            self._undo_construction()
+            raise
 
     def _install(self, algorithm):
         algorithm.model = self
@@ -377,6 +376,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             h.remove()
         self._hooks = []
         step_hooks.forget(self)
+        self._release_group()
         try:
             self.algorithm.close()  # first: it may still take part in an admission (async_model_average)
         finally:

@@ -71,6 +71,9 @@ class Scheduler:
         if not self._sync_enabled:
             if not self._unsynced and self.algorithm.sync_gradients():
                 self._unsynced = True
+            bi, j = self._slot[p]
+            if p.grad is not None and p.grad.data_ptr() == self.buckets[bi].view(j).data_ptr():
+                self.buckets[bi].touched = True
             return
         if not self.algorithm.sync_gradients():
             # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
@@ -83,7 +86,7 @@ class Scheduler:
                 self._local_bad = p
             return
         if not self._backward_active:
-            self._start_backward()
+            self._start_backward(p)
         bi, j = self._slot[p]
         b = self.buckets[bi]
         self._hand_over(b, j, p)
@@ -94,9 +97,9 @@ class Scheduler:
             if bi == self._next_bucket and self._ready[bi] == len(b.params):
                 self._submit_ready()  # only a bucket that just completed can start the next ones
 
-    def _start_backward(self):
+    def _start_backward(self, first=None):
         if not self._backward_active:
-            self._begin_round()
+            self._begin_round(first)
             if self.algorithm.step_dependent_wire:
                 # Sizes depend on the step: check it on the engine ahead of bucket 0, overlapped with
                 # backward. Otherwise the step count rides in the agreement after the buckets.
@@ -111,6 +114,25 @@ class Scheduler:
                 self._nonfinite_flags.zero_()  # on the device's stream, ahead of this round's checks
             self.algorithm.kept_state.begin_round()  # register_state(rollback=True): before any bucket op runs
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _grads_discarded(self, first=None) -> bool:
+        """Whether the loop threw the last round's gradients away since it ended: every ``.grad`` None
+        (``zero_grad()``), or zeroed in place in its slot (``zero_grad(set_to_none=False)``: the bucket's
+        version counter moved since the round, and the slot reads all zero: read only then). ``first``: the
+        parameter whose hook began this round, if one did (autograd just accumulated its gradient)."""
+        zeroed = []
+        for p in self.params:
+            if p.grad is None:
+                continue
+            bi, j = self._slot[p]
+            in_slot = p.grad.data_ptr() == self.buckets[bi].view(j).data_ptr()
+            if p is first and not in_slot:
+                continue  # made afresh: it was None
+            if p is first or not in_slot or self._round_versions is None \
+                    or self.buckets[bi].flat._version == self._round_versions[bi]:
+                return False
+            zeroed.append(p.grad)
+        return not zeroed or not bool(torch.stack([g.ne(0).any() for g in zeroed]).any())
 
     def _hand_over(self, b, j, p):
         """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot. With a

@@ -1,6 +1,7 @@
 """What an algorithm uses of its DistributedModel besides its buckets, parameters, optimizer, group, rank and
 world size: running its own collectives on the engine with fail fast, and the peers' failure news."""
 from ._failfast import PeerFailedError
+from . import _groups, step_hooks
 from ._groups import new_group_like
 
 
@@ -14,6 +15,39 @@ class Services:
             f"a {type(self).__name__} cannot be copied or pickled (it holds process groups, an engine thread and "
             f"hooks): copy or save the module it wraps (AveragedModel(model.module) for EMA/SWA, "
             f"torch.save(model.state_dict()))")
+
+    def _take_group(self, agree_on, fault_tolerant=False) -> None:
+        """Keep this model's group, or, where another open model of this process already sends its engine's
+        traffic on it (a GAN's generator and discriminator, a teacher trained beside its student), take a copy
+        of its own (``new_group``): the two engines' collectives then never meet. Decided alike on every rank
+        of ``agree_on``, which carries that one allreduce (every rank makes the copy). ``close()`` lets go of it (``_groups.release``). A
+        fault-tolerant model refuses a group in use instead."""
+        if fault_tolerant:  # no collective here: a joiner's constructor and the members' admission mirror each other
+            if _groups.in_use(self.process_group):
+                raise ValueError(f"{type(self).__name__}: fault_tolerant=True needs a process group no other open "
+                                 f"model of this process uses (its membership changes remake the group); give the "
+                                 f"other model one of its own: group=torch.distributed.new_group(...)")
+        elif self.world_size > 1 and _groups.any_rank(_groups.in_use(self.process_group), agree_on):
+            self.process_group = self.new_group()
+        self._held_group = self.process_group
+        _groups.hold(self._held_group, self)
+
+    def _release_group(self) -> None:
+        _groups.release(getattr(self, "_held_group", None), self)
+
+    def _undo_construction(self) -> None:
+        """The constructor raised after taking hooks, a thread and the group: let go of them all, so that the
+        module and optimizer train as they would have without it (a refused model's hooks went on firing in
+        the backward and steps of the model wrapped next)."""
+        for h in getattr(self, "_hooks", ()):
+            h.remove()
+        self._hooks = []
+        step_hooks.forget(self)
+        self._release_group()
+        if getattr(self, "_elastic", None) is not None:
+            self._elastic.close()
+        if getattr(self, "_engine", None) is not None and not self._engine_abandoned:
+            self._engine.shutdown()
 
     def fail(self, what: str) -> None:
         """Tell every peer that this model's communication failed (they raise ``PeerFailedError`` within a

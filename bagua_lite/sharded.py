@@ -108,6 +108,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._backward_active, self._round_scales = False, None
         self._agreed = torch.zeros(3, dtype=torch.int64)
         self._check_same_config()
+        self._take_group(dist.group.WORLD)  # a copy, if another open model uses the replicate group
         with torch.no_grad():  # every parameter's shard, frozen ones too: replicas start alike
             if broadcast_parameters and self.world_size > 1:
                 src = dist.get_global_rank(group, 0)
@@ -137,6 +138,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
                 b.ops = list(algorithm.bucket_ops(b))
         except BaseException:
             self._engine.shutdown()
+            self._release_group()
             raise
         self._param_ids = {id(p) for p in module.parameters()}
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
@@ -207,6 +209,20 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             self._agree(0)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_round)
 
+    def _grads_discarded(self, first=None) -> bool:
+        """Whether the loop threw the last round's gradients away since it ended: every ``.grad`` None
+        (``zero_grad()``), or zeroed in place (its version counter moved since the round, and it reads all
+        zero: read only then). FSDP2 sets this round's ``.grad`` after the units' hooks."""
+        zeroed = []
+        with torch.no_grad():
+            for p, version in zip(self.owners, self._round_versions or [object()] * len(self.owners)):
+                if p.grad is None:
+                    continue
+                if p.grad._version == version:  # the DTensor's: an in-place op on it leaves its local tensor's
+                    return False
+                zeroed.append(p.grad.to_local())
+        return not zeroed or not bool(torch.stack([g.ne(0).any() for g in zeroed]).any())
+
     def _finish_round(self):
         """After the last unit's hook: one MAX allreduce over every rank of (a non-finite gradient anywhere,
         step, -step); the round is kept, or discarded on every rank alike (``.grad`` NaN everywhere)."""
@@ -219,6 +235,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             bad = any(host_read(self._nonfinite_flags))
         if not self._agree(1 if bad else 0):
             self.algorithm.commit_round()
+            with torch.no_grad():  # (a zero_grad in place moves them)
+                self._round_versions = [None if p.grad is None else p.grad._version for p in self.owners]
             if self._verdict_round:
                 self._verdict.pending = True
             return
@@ -342,6 +360,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         for u in self.units:
             u.module.set_all_reduce_hook(None)
         step_hooks.forget(self)
+        self._release_group()
         try:
             self.algorithm.close()
         finally:

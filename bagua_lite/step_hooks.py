@@ -68,6 +68,8 @@ class StepHooks:
     #: a synchronised round started since the last optimizer.step() (see _begin_round), and the model's
     #: GradScaler's record of the iteration then
     _round_unstepped, _round_record = False, None
+    #: the version counters of the gradients a kept round left (buckets, or shards' ``.grad``): see _grads_discarded
+    _round_versions = None
     _local_unread = ()
     #: where checks stay on the device: the verdict read off a round's result (bagua_lite.verdict), else None
     _verdict = None
@@ -87,17 +89,28 @@ class StepHooks:
         """Whether ``optimizer`` holds any of this model's parameters."""
         return any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"])
 
-    def _begin_round(self):
-        """At the start of a synchronised round: refuse a second one before the step where the first left
-        ``.grad`` holding an update (``Algorithm.grad_holds_update``), before any gradient is handed over."""
-        if self._round_unstepped and self.algorithm.grad_holds_update and self._last_round_kept():
-            raise RuntimeError(
-                f"bagua_lite: a second synchronised backward before optimizer.step() (this is rank {self.rank}, "
-                f"step {self.algorithm.step}, {self.algorithm.name}): after the first, .grad holds "
-                f"{self.algorithm.name}'s update, not a gradient, and its state (momenta) already took that "
-                f"gradient; another backward would add a gradient to the update (or, after zero_grad, count both). "
-                f"Accumulate micro-batches under no_sync() (or model.require_backward_grad_sync = False) for all "
-                f"but the last, as with DDP; weights and optimizer are as the first backward left them")
+    def _begin_round(self, first=None):
+        """At the start of a synchronised round (``first``: the parameter whose gradient began it, if one did).
+        A kept round the loop threw away without a step (``zero_grad()`` left every ``.grad`` None: a GAN's
+        discriminator after the generator's step) is undone first, as if it never ran: the plain loop
+        forgets those gradients, so error feedback's residuals and PowerSGD's state must too. Where
+        ``.grad`` holds an update (``Algorithm.grad_holds_update``), a second round before the step is refused
+        instead, before any gradient is handed over."""
+        if self._round_unstepped and self._last_round_kept():
+            if not self.algorithm.grad_holds_update and self._grads_discarded(first):
+                self.algorithm.kept_state.roll_back()  # the backups are still those of the round thrown away
+                self.algorithm.undo_round()
+            elif self.algorithm.grad_holds_update:
+                raise RuntimeError(
+                    f"bagua_lite: a second synchronised backward before optimizer.step() (this is rank {self.rank}, "
+                    f"step {self.algorithm.step}, {self.algorithm.name}): after the first, .grad holds "
+                    f"{self.algorithm.name}'s update, not a gradient, and its state (momenta) already took that "
+                    f"gradient; another backward would add a gradient to the update (or, after zero_grad, count "
+                    f"both). Accumulate micro-batches under no_sync() (or model.require_backward_grad_sync = False) "
+                    f"for all but the last, as with DDP; a backward whose gradients this model's optimizer will not "
+                    f"step (a GAN's discriminator during the generator's step) goes under no_sync() too, or with its "
+                    f"parameters frozen (requires_grad_(False)); weights and optimizer are as the first backward "
+                    f"left them")
         self._round_unstepped, self._round_record = True, scaler_record(self.grad_scaler)
         self._failfast.step = None if self.algorithm.asynchronous else self.algorithm.step + 1  # (uneven inputs)
 

@@ -130,10 +130,12 @@ class ErrorFeedbackSparsifier(Algorithm):
 
     def clear_result(self, flat, bucket_index):
         """Zero the bucket cheaply: only the entries the previous step's result wrote (and bucket 0's first,
-        which a round discarded on the device set to NaN for a loss scaler to see: bagua_lite.verdict)."""
-        prev = self._written[bucket_index]
-        if prev is None:
+        which a round discarded on the device set to NaN for a loss scaler to see: bagua_lite.verdict); all of
+        it where a no_sync() backward accumulated into it since (``Bucket.touched``)."""
+        prev, bucket = self._written[bucket_index], self.model.buckets[bucket_index]
+        if prev is None or bucket.touched:  # (touched: a no_sync() backward accumulated into its slots)
             flat.zero_()
+            bucket.touched = False
         else:
             kernels.ef_remove_(flat, prev)
             if bucket_index == 0:
@@ -187,6 +189,11 @@ class ErrorFeedbackSparsifier(Algorithm):
         self.memory.commit()
         self._written[:] = self._round_written
         self._correction.commit(self._written)
+
+    def undo_round(self):
+        """The swap again: the residuals (momenta) the thrown-away round replaced are still in the working
+        copies, which nothing wrote since. Its entries in the buckets are cleared by the next round as usual."""
+        self.memory.commit()
 
     def state_dict(self):
         return {"step": self.step, **self.memory.state_dict()}

@@ -1,0 +1,222 @@
+"""Two models wrapped in one process and trained in one loop: a GAN's generator and discriminator.
+
+The loop, as DCGAN's example writes it: the discriminator's step (``fake = G(z)``, D on real and on
+``fake.detach()``), then the generator's (``D(fake)`` backward, which also gives the discriminator gradients
+the loop throws away with the next ``optD.zero_grad()``). The plain loop forgets those gradients. So each
+variant of the generator's step must train exactly as the one where the discriminator's backward runs
+under ``no_sync()`` (no round at all), bit for bit, on every rank, with identical replicas:
+
+- ``thrown_away``: DCGAN's loop as written: the discriminator's round in the generator's step runs, and is
+  undone when the next round finds every ``.grad`` None (error feedback's residuals, PowerSGD's state);
+- ``thrown_away_in_place``: the same with ``zero_grad(set_to_none=False)`` (the gradients zeroed in place);
+- ``frozen``: the discriminator's parameters frozen for the generator's step (WGAN's loop);
+- ``unwrapped``: the generator's step through ``D.module``, the model the wrapper holds.
+
+Where ``.grad`` holds an update (momentum correction, qadam after its warm-up), the discriminator's round
+cannot be undone, and the round after it is refused (``thrown_away``, ``thrown_away_in_place``, ``unwrapped``),
+naming the way out (no_sync, or frozen).
+
+Before, the two models' engines posted their collectives on one group from two threads, in an order that
+differed across ranks, and gloo aborted the process; now a model whose group another open model uses takes
+a copy of it.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import bagua_lite
+from bagua_lite.algorithms import build
+
+STEPS = 6  # a multiple of local SGD's and DiLoCo's period: their replicas end a period identical
+ALGORITHMS = {
+    "gradient_allreduce": ("gradient_allreduce", {}, "sgd"),
+    "bytegrad": ("gradient_allreduce", {"compression": "minmax_uint8"}, "sgd"),
+    "sign": ("gradient_allreduce", {"compression": "sign"}, "sgd"),
+    "powersgd": ("powersgd", {"rank": 2, "min_compression_rate": 1.0}, "sgd"),
+    "topk_no_correction": ("topk", {"density": 0.2, "momentum_correction": 0}, "sgd"),
+    "gtopk_no_correction": ("gtopk", {"density": 0.2, "momentum_correction": 0}, "sgd"),
+    "topk": ("topk", {"density": 0.2}, "sgd"),
+    "qadam": ("qadam", {"warmup_steps": 2}, "adam"),
+    "local_sgd": ("local_sgd", {"period": 2}, "sgd"),
+    "diloco": ("diloco", {"period": 2}, "sgd"),
+    "decentralized": ("decentralized", {}, "sgd"),
+}
+HOLDS_UPDATE = {"topk", "qadam"}  # .grad holds the update: the round after a thrown-away one is refused
+VARIANTS = ("thrown_away", "thrown_away_in_place", "frozen", "unwrapped")
+
+
+def _nets():
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    D = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    return G, D
+
+
+def _optimizer(kind, net):
+    if kind == "adam":
+        return torch.optim.Adam(net.parameters(), lr=1e-2)
+    return torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+
+def _train(rank, label, variant):
+    """STEPS GAN steps; returns (weights of G and D, None) or (None, (step, error, D unchanged by it))."""
+    name, options, kind = ALGORITHMS[label]
+    G, D = _nets()
+    opt_g, opt_d = _optimizer(kind, G), _optimizer(kind, D)
+    g = bagua_lite.DistributedModel(G, opt_g, build(name, **options), bucket_size_mb=0.0005)
+    d = bagua_lite.DistributedModel(D, opt_d, build(name, **options), bucket_size_mb=0.0005)
+    keep = variant == "thrown_away_in_place"
+    try:
+        for s in range(STEPS):
+            gen = torch.Generator().manual_seed(rank * 1000 + s)
+            z, real = torch.randn(8, 4, generator=gen), torch.randn(8, 8, generator=gen)
+            opt_d.zero_grad(set_to_none=not keep)
+            before = [p.detach().clone() for p in D.parameters()]
+            try:
+                fake = g(z)
+                loss_d = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
+                loss_d.backward()
+            except RuntimeError as e:
+                return None, (s, str(e), all(torch.equal(a, p) for a, p in zip(before, D.parameters())))
+            opt_d.step()
+            opt_g.zero_grad(set_to_none=not keep)
+            if variant == "no_sync":
+                with d.no_sync():
+                    F.softplus(-d(fake)).mean().backward()
+            elif variant == "frozen":
+                D.requires_grad_(False)
+                F.softplus(-d(fake)).mean().backward()
+                D.requires_grad_(True)
+            else:
+                F.softplus(-(D if variant == "unwrapped" else d)(fake)).mean().backward()
+            opt_g.step()
+    finally:
+        g.close()
+        d.close()
+    return [p.detach().clone() for p in list(G.parameters()) + list(D.parameters())], None
+
+
+def _r_gan(rank, world, labels):
+    out = {}
+    for label in labels:
+        out[label] = {v: _train(rank, label, v) for v in ("no_sync",) + VARIANTS}
+    return out
+
+
+@pytest.mark.parametrize("P", (2, 3), ids=lambda p: f"P{p}")
+@pytest.mark.parametrize("labels", [["gradient_allreduce", "bytegrad", "sign", "powersgd"],
+                                    ["topk_no_correction", "gtopk_no_correction", "topk", "qadam"],
+                                    ["local_sgd", "diloco", "decentralized"]],
+                         ids=["dense_and_codecs", "sparse_and_momentum", "local"])
+def test_a_gans_thrown_away_discriminator_round_leaves_no_trace(clusters, P, labels):
+    results = clusters.get(P).run(_r_gan, labels)
+    for label in labels:
+        reference, refused = results[0][label]["no_sync"]
+        assert refused is None, (label, refused)
+        for r in range(1, P if label != "decentralized" else 1):  # identical replicas
+            assert all(torch.equal(a, b) for a, b in zip(reference, results[r][label]["no_sync"][0])), (label, r)
+        for variant in VARIANTS:
+            for r in range(P):
+                weights, refused = results[r][label][variant]
+                if label in HOLDS_UPDATE and variant != "frozen":
+                    assert weights is None, (label, variant, r)
+                    step, msg, unchanged = refused
+                    assert step == (2 if label == "qadam" else 1) and unchanged, (label, variant, refused)
+                    assert "second synchronised backward" in msg and "no_sync()" in msg and "GAN" in msg, msg
+                    continue
+                assert refused is None, (label, variant, r, refused)
+                mine = results[r][label]["no_sync"][0]  # (decentralized: each rank's own)
+                assert all(torch.equal(a, b) for a, b in zip(weights, mine)), (label, variant, r)
+
+
+def _r_groups(rank, world):
+    group = dist.new_group(list(range(world)))  # no model of an earlier test holds it
+
+    def wrap(**kw):
+        net = torch.nn.Linear(3, 2)
+        return bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1), group=group, **kw)
+    a, b, c = wrap(), wrap(), wrap()
+    copies = (a.process_group is group, b.process_group is not group, c.process_group not in (group, b.process_group),
+              dist.get_process_group_ranks(c.process_group) == list(range(world)), c.rank == rank)
+    try:
+        wrap(fault_tolerant=True)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    a.close()
+    d = wrap()  # the group is free again (b and c have their copies)
+    for m in (b, c, d):
+        m.close()
+    e = wrap()
+    e.close()
+    return copies, (d.process_group is group, e.process_group is group), refused
+
+
+def test_a_model_whose_group_another_open_model_uses_takes_a_copy(clusters):
+    for copies, own, refused in clusters.get(3).run(_r_groups):
+        assert copies == (True,) * 5 and own == (True, True)
+        assert refused is not None and "fault_tolerant=True" in refused and "no other open model" in refused, refused
+
+
+SHARDED = {
+    "gradient_allreduce": {"name": "gradient_allreduce"},
+    "sign": {"name": "gradient_allreduce", "compression": "sign"},
+    "gtopk": {"name": "gtopk", "density": 0.3, "momentum_correction": 0},
+    "diloco": {"name": "diloco", "period": 2},
+}
+
+
+def _train_sharded(rank, label, variant):
+    """The GAN's loop on two FSDP2 models (2 replicas x 2 shards), each under its ShardedModel. The reference
+    is ``frozen``: FSDP2 keeps what a backward under ``set_requires_gradient_sync(False)`` accumulated past
+    ``zero_grad()``, so no_sync is no reference there."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    G, D = _nets()
+    for net in (G, D):
+        for unit in (net[0], net[2], net):
+            fully_shard(unit, mesh=mesh["shard"])
+    opt_g, opt_d = _optimizer("sgd", G), _optimizer("sgd", D)
+    spec = dict(SHARDED[label])
+    g = bagua_lite.ShardedModel(G, opt_g, build(spec.pop("name"), **spec), mesh=mesh)
+    spec = dict(SHARDED[label])
+    d = bagua_lite.ShardedModel(D, opt_d, build(spec.pop("name"), **spec), mesh=mesh)
+    copied = d.process_group is not g.process_group and \
+        dist.get_process_group_ranks(d.process_group) == dist.get_process_group_ranks(g.process_group)
+    keep = variant == "thrown_away_in_place"
+    try:
+        for s in range(STEPS):
+            gen = torch.Generator().manual_seed(rank * 1000 + s)
+            z, real = torch.randn(8, 4, generator=gen), torch.randn(8, 8, generator=gen)
+            opt_d.zero_grad(set_to_none=not keep)
+            fake = G(z)
+            (F.softplus(-D(real)).mean() + F.softplus(D(fake.detach())).mean()).backward()
+            opt_d.step()
+            opt_g.zero_grad(set_to_none=not keep)
+            D.requires_grad_(variant != "frozen")
+            F.softplus(-D(fake)).mean().backward()
+            D.requires_grad_(True)
+            opt_g.step()
+    finally:
+        g.close()
+        d.close()
+    return copied, [p.detach().full_tensor() for p in list(G.parameters()) + list(D.parameters())]
+
+
+def _r_gan_sharded(rank, world):
+    return {label: {v: _train_sharded(rank, label, v) for v in ("frozen", "thrown_away", "thrown_away_in_place")}
+            for label in SHARDED}
+
+
+def test_a_gans_thrown_away_round_leaves_no_trace_on_shards(clusters):
+    results = clusters.get(4).run(_r_gan_sharded)
+    for label in SHARDED:
+        reference = results[0][label]["frozen"][1]
+        for r in range(4):
+            for variant in ("frozen", "thrown_away", "thrown_away_in_place"):
+                copied, weights = results[r][label][variant]
+                assert copied, (label, variant, r)
+                assert all(torch.equal(a, b) for a, b in zip(weights, reference)), (label, variant, r)
