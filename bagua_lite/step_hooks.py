@@ -111,7 +111,7 @@ class StepHooks:
                     f"step (a GAN's discriminator during the generator's step) goes under no_sync() too, or with its "
                     f"parameters frozen (requires_grad_(False)); weights and optimizer are as the first backward "
                     f"left them")
-        self._round_unstepped, self._round_record = True, scaler_record(self.grad_scaler)
+        self._round_unstepped, self._round_record = True, scaler_record(self.grad_scaler, self.optimizer)
         self._failfast.step = None if self.algorithm.asynchronous else self.algorithm.step + 1  # (uneven inputs)
 
     def _last_round_kept(self) -> bool:

@@ -54,21 +54,29 @@ def scaler_checked(scaler, optimizer) -> bool:
     return state is not None and state.get("stage") is OptState.UNSCALED and _inside_step_of(scaler)
 
 
-def scaler_record(scaler):
-    """The GradScaler's record of this iteration's optimizers (``update()`` replaces it), or None."""
-    return None if scaler is None else getattr(scaler, "_per_optimizer_states", None)
+def scaler_record(scaler, optimizer):
+    """The GradScaler's record of this iteration's optimizers (``update()`` replaces it) and whether its
+    ``step(optimizer)`` had run in it already, or None."""
+    if scaler is None:
+        return None
+    states = getattr(scaler, "_per_optimizer_states", None)
+    return states, _stepped(states, optimizer)
+
+
+def _stepped(states, optimizer) -> bool:
+    state = None if states is None else states.get(id(optimizer))
+    return state is not None and state.get("stage") is OptState.STEPPED
 
 
 def scaler_stepped(scaler, optimizer, record) -> bool:
-    """Whether ``scaler`` ended an iteration for ``optimizer`` since ``record`` (its ``scaler_record`` then):
-    its ``step()`` ran (it skips ``optimizer.step()`` after an overflow), or its ``update()`` did. No read."""
-    now = scaler_record(scaler)
-    if now is None:
+    """Whether ``scaler.step(optimizer)`` ran since ``record`` (its ``scaler_record`` then): it skips
+    ``optimizer.step()`` after an overflow. An ``update()`` alone is no step of this optimizer: one scaler
+    shared by a GAN's two optimizers updates once per iteration, after both steps. No read."""
+    if scaler is None or record is None:
         return False
-    if now is not record:
-        return True
-    state = now.get(id(optimizer))
-    return state is not None and state.get("stage") is OptState.STEPPED
+    states, then = record
+    now = getattr(scaler, "_per_optimizer_states", None)
+    return (_stepped(states, optimizer) and not then) or (now is not states and _stepped(now, optimizer))
 
 
 def _inside_step_of(scaler) -> bool:

@@ -10,7 +10,10 @@ under ``no_sync()`` (no round at all), bit for bit, on every rank, with identica
   undone when the next round finds every ``.grad`` None (error feedback's residuals, PowerSGD's state);
 - ``thrown_away_in_place``: the same with ``zero_grad(set_to_none=False)`` (the gradients zeroed in place);
 - ``frozen``: the discriminator's parameters frozen for the generator's step (WGAN's loop);
-- ``unwrapped``: the generator's step through ``D.module``, the model the wrapper holds.
+- ``unwrapped``: the generator's step through ``D.module``, the model the wrapper holds;
+- ``thrown_away_scaled``: DCGAN's loop under one GradScaler for both models (``scaler.step`` of each optimizer,
+  one ``update()``), against the no_sync loop under the same scaler: the scaler's ``update()`` after the
+  generator's step is no step of the discriminator's optimizer.
 
 Where ``.grad`` holds an update (momentum correction, qadam after its warm-up), the discriminator's round
 cannot be undone, and the round after it is refused (``thrown_away``, ``thrown_away_in_place``, ``unwrapped``),
@@ -43,7 +46,7 @@ ALGORITHMS = {
     "decentralized": ("decentralized", {}, "sgd"),
 }
 HOLDS_UPDATE = {"topk", "qadam"}  # .grad holds the update: the round after a thrown-away one is refused
-VARIANTS = ("thrown_away", "thrown_away_in_place", "frozen", "unwrapped")
+VARIANTS = ("thrown_away", "thrown_away_in_place", "frozen", "unwrapped", "thrown_away_scaled")
 
 
 def _nets():
@@ -60,12 +63,17 @@ def _optimizer(kind, net):
 
 
 def _train(rank, label, variant):
-    """STEPS GAN steps; returns (weights of G and D, None) or (None, (step, error, D unchanged by it))."""
+    """STEPS GAN steps; returns (weights of G and D, None) or (None, (step, error, D unchanged by it)).
+    ``*_scaled``: one GradScaler for both models, stepping both optimizers and updating once an iteration, as
+    torch's AMP recipe for several optimizers does (a power-of-two scale that does not change: exact)."""
     name, options, kind = ALGORITHMS[label]
     G, D = _nets()
     opt_g, opt_d = _optimizer(kind, G), _optimizer(kind, D)
-    g = bagua_lite.DistributedModel(G, opt_g, build(name, **options), bucket_size_mb=0.0005)
-    d = bagua_lite.DistributedModel(D, opt_d, build(name, **options), bucket_size_mb=0.0005)
+    scaled = variant.endswith("_scaled")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=10 ** 6) if scaled else None
+    scale = scaler.scale if scaled else (lambda loss: loss)
+    g = bagua_lite.DistributedModel(G, opt_g, build(name, **options), bucket_size_mb=0.0005, grad_scaler=scaler)
+    d = bagua_lite.DistributedModel(D, opt_d, build(name, **options), bucket_size_mb=0.0005, grad_scaler=scaler)
     keep = variant == "thrown_away_in_place"
     try:
         for s in range(STEPS):
@@ -75,22 +83,25 @@ def _train(rank, label, variant):
             before = [p.detach().clone() for p in D.parameters()]
             try:
                 fake = g(z)
-                loss_d = F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()
-                loss_d.backward()
+                scale(F.softplus(-d(real)).mean() + F.softplus(d(fake.detach())).mean()).backward()
             except RuntimeError as e:
                 return None, (s, str(e), all(torch.equal(a, p) for a, p in zip(before, D.parameters())))
-            opt_d.step()
+            scaler.step(opt_d) if scaled else opt_d.step()
             opt_g.zero_grad(set_to_none=not keep)
-            if variant == "no_sync":
+            if variant.startswith("no_sync"):
                 with d.no_sync():
-                    F.softplus(-d(fake)).mean().backward()
+                    scale(F.softplus(-d(fake)).mean()).backward()
             elif variant == "frozen":
                 D.requires_grad_(False)
                 F.softplus(-d(fake)).mean().backward()
                 D.requires_grad_(True)
             else:
-                F.softplus(-(D if variant == "unwrapped" else d)(fake)).mean().backward()
-            opt_g.step()
+                scale(F.softplus(-(D if variant == "unwrapped" else d)(fake)).mean()).backward()
+            if scaled:
+                scaler.step(opt_g)
+                scaler.update()
+            else:
+                opt_g.step()
     finally:
         g.close()
         d.close()
@@ -100,7 +111,7 @@ def _train(rank, label, variant):
 def _r_gan(rank, world, labels):
     out = {}
     for label in labels:
-        out[label] = {v: _train(rank, label, v) for v in ("no_sync",) + VARIANTS}
+        out[label] = {v: _train(rank, label, v) for v in ("no_sync", "no_sync_scaled") + VARIANTS}
     return out
 
 
@@ -113,7 +124,7 @@ def test_a_gans_thrown_away_discriminator_round_leaves_no_trace(clusters, P, lab
     results = clusters.get(P).run(_r_gan, labels)
     for label in labels:
         reference, refused = results[0][label]["no_sync"]
-        assert refused is None, (label, refused)
+        assert refused is None and results[0][label]["no_sync_scaled"][1] is None, (label, refused)
         for r in range(1, P if label != "decentralized" else 1):  # identical replicas
             assert all(torch.equal(a, b) for a, b in zip(reference, results[r][label]["no_sync"][0])), (label, r)
         for variant in VARIANTS:
@@ -126,7 +137,8 @@ def test_a_gans_thrown_away_discriminator_round_leaves_no_trace(clusters, P, lab
                     assert "second synchronised backward" in msg and "no_sync()" in msg and "GAN" in msg, msg
                     continue
                 assert refused is None, (label, variant, r, refused)
-                mine = results[r][label]["no_sync"][0]  # (decentralized: each rank's own)
+                # each rank's own reference (decentralized's replicas differ)
+                mine = results[r][label]["no_sync_scaled" if variant.endswith("_scaled") else "no_sync"][0]
                 assert all(torch.equal(a, b) for a, b in zip(weights, mine)), (label, variant, r)
 
 
