@@ -164,7 +164,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 f"AcceleratedOptimizer is one): build the DistributedModel with the optimizer you created, then "
                 f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer, "
                 f"accelerator=accelerator) first, then accelerator.prepare(model, optimizer, loader))")
-        self._frozen = check_wrappable(module)  # the parameters at wrapping, frozen or not (ParametersAtWrap)
+        self._frozen = check_wrappable(module, optimizer)  # the parameters at wrapping, frozen or not (ParametersAtWrap)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
                              "times per step, so ranks would run different numbers of communication rounds; use an "

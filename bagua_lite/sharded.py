@@ -88,6 +88,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             raise ValueError(f"{WHO}: {algorithm.name} does not run on shards of an FSDP2 model; those that do: "
                              f"{', '.join(on_shards())}")
         algorithm.check_shards(optimizer)
+        step_hooks.check_not_wrapped(module, WHO)
+        step_hooks.check_steps_only(module, optimizer, WHO)
         group, shard_mesh = resolve_groups(mesh, replicate_group, WHO)
         if not dist.is_initialized():
             raise RuntimeError(f"{WHO}: torch.distributed is not initialized")

@@ -38,6 +38,33 @@ def watch_foreign_steps(model) -> None:
     _LIVE.add(model)
 
 
+def check_not_wrapped(module, who: str) -> None:
+    """Refuse a module whose parameters an open model already holds: both models' hooks would fire in every
+    backward and step (two rounds, each writing ``.grad``). Before any traffic."""
+    params = {id(p): n for n, p in module.named_parameters()}
+    for model in list(_LIVE):
+        name = model._holds_one_of(params)
+        if name is not None:
+            raise ValueError(f"{who}: parameter {name!r} is already wrapped by an open {type(model).__name__}: "
+                             f"close() that one first (to change the algorithm or the optimizer, close and wrap "
+                             f"again)")
+
+
+def check_steps_only(module, optimizer, who: str) -> None:
+    """Refuse an optimizer that steps a parameter the module does not hold: nothing averages it, so it would
+    train on each rank alone and the replicas drift apart (as under DDP, without a word)."""
+    mine = {id(p) for p in module.parameters()}
+    for i, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if id(p) not in mine:
+                raise ValueError(
+                    f"{who}: the optimizer steps a parameter that is not in the wrapped module (param group {i}, "
+                    f"shape {list(p.shape)}): nothing would average it, so it would train on each rank alone and "
+                    f"the replicas drift apart. Make it part of the module (an attribute of it; models trained "
+                    f"together with one optimizer: one nn.ModuleDict wrapped once), or give it an optimizer of "
+                    f"its own if it is meant to differ across ranks")
+
+
 def forget(model) -> None:
     _LIVE.discard(model)
 
@@ -70,6 +97,8 @@ class StepHooks:
     _round_unstepped, _round_record = False, None
     #: the version counters of the gradients a kept round left (buckets, or shards' ``.grad``): see _grads_discarded
     _round_versions = None
+    #: how many param groups the optimizer had when check_steps_only last passed
+    _groups_checked = None
     _local_unread = ()
     #: where checks stay on the device: the verdict read off a round's result (bagua_lite.verdict), else None
     _verdict = None
@@ -84,6 +113,10 @@ class StepHooks:
             if self._local_bad is None:
                 self._local_bad = next(
                     (p for p in checked if p.grad is not None and not _C.all_finite(_local(p.grad))), checked[0])
+
+    def _holds_one_of(self, names):
+        """``names[id(p)]`` of the first parameter ``p`` of this model that is in ``names``, or None."""
+        return next((names[i] for i in self._param_ids if i in names), None)
 
     def _steps_parameters_of(self, optimizer) -> bool:
         """Whether ``optimizer`` holds any of this model's parameters."""
@@ -131,6 +164,9 @@ class StepHooks:
             self._round_unstepped = False
 
     def _step_checks(self, optimizer, args, kwargs):
+        if len(optimizer.param_groups) != self._groups_checked:  # add_param_group() since: look again
+            check_steps_only(self.module, optimizer, type(self).__name__)
+            self._groups_checked = len(optimizer.param_groups)
         if self._verdict is not None:
             self._verdict.clear()  # a found_inf left by a step that raised after its pre-hook
         self._raise_skipped_on_device()

@@ -10,6 +10,9 @@ its reason instead of training silently wrong.
 - An ``Embedding``/``EmbeddingBag`` with ``sparse=True`` that trains: its gradient is a sparse tensor, and the
   buckets hold dense gradients (the codecs, top-k and the optimizer-side updates are dense).
 
+- Parameters an open model already holds (the same module wrapped twice), and an optimizer that steps a
+  parameter the module does not hold (it would train on each rank alone).
+
 And, at every training forward, that no parameter frozen when the model was wrapped has started to train,
 and that no trainable parameter has joined the module since (:class:`ParametersAtWrap`).
 """
@@ -19,8 +22,10 @@ import torch
 from torch.nn.modules.module import register_module_module_registration_hook, register_module_parameter_registration_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from . import step_hooks
 
-def check_wrappable(module, who="DistributedModel") -> "ParametersAtWrap":
+
+def check_wrappable(module, optimizer, who="DistributedModel") -> "ParametersAtWrap":
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{who}: module must be a torch.nn.Module, got {type(module).__name__}")
     for name, m in module.named_modules():
@@ -45,6 +50,8 @@ def check_wrappable(module, who="DistributedModel") -> "ParametersAtWrap":
                 f"every rank must hold. For a relaxation across the replicas of an FSDP2 model, shard it over "
                 f"the shard dimension of a 2-D (replicate, shard) mesh and use bagua_lite.ShardedModel(model, "
                 f"optimizer, algorithm=..., mesh=mesh) (docs/hsdp.md)")
+    step_hooks.check_not_wrapped(module, who)
+    step_hooks.check_steps_only(module, optimizer, who)
     return ParametersAtWrap(module, who)
 
 

@@ -56,6 +56,12 @@ def _nets():
     return G, D
 
 
+def _batch(rank, step):
+    """(z, real): the generator's noise and a real batch for this rank and step."""
+    gen = torch.Generator().manual_seed(rank * 1000 + step)
+    return torch.randn(8, 4, generator=gen), torch.randn(8, 8, generator=gen)
+
+
 def _optimizer(kind, net):
     if kind == "adam":
         return torch.optim.Adam(net.parameters(), lr=1e-2)
@@ -77,8 +83,7 @@ def _train(rank, label, variant):
     keep = variant == "thrown_away_in_place"
     try:
         for s in range(STEPS):
-            gen = torch.Generator().manual_seed(rank * 1000 + s)
-            z, real = torch.randn(8, 4, generator=gen), torch.randn(8, 8, generator=gen)
+            z, real = _batch(rank, s)
             opt_d.zero_grad(set_to_none=not keep)
             before = [p.detach().clone() for p in D.parameters()]
             try:
@@ -201,8 +206,7 @@ def _train_sharded(rank, label, variant):
     keep = variant == "thrown_away_in_place"
     try:
         for s in range(STEPS):
-            gen = torch.Generator().manual_seed(rank * 1000 + s)
-            z, real = torch.randn(8, 4, generator=gen), torch.randn(8, 8, generator=gen)
+            z, real = _batch(rank, s)
             opt_d.zero_grad(set_to_none=not keep)
             fake = G(z)
             (F.softplus(-D(real)).mean() + F.softplus(D(fake.detach())).mean()).backward()
