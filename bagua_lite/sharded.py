@@ -26,7 +26,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
-from . import _C, _compat, _control, agreement, step_hooks
+from . import _C, _compat, _control, _groups, agreement, step_hooks
 from ._failfast import FailFast
 from ._groups import new_group_like
 from .agreement import RoundAgreement
@@ -111,6 +111,11 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._agreed = torch.zeros(3, dtype=torch.int64)
         self._check_same_config()
         self._take_group(dist.group.WORLD)  # a copy, if another open model uses the replicate group
+        # The step agreement travels on every rank's group: on a copy of it where an open DistributedModel's
+        # engine sends on it (a model feeding this one: its buckets may be in flight during this agreement).
+        world = dist.group.WORLD
+        self._world = new_group_like(world) if _groups.any_rank(_groups.in_use(world), world) else world
+        _groups.hold(self._world, self)  # a DistributedModel made later takes a copy of it
         with torch.no_grad():  # every parameter's shard, frozen ones too: replicas start alike
             if broadcast_parameters and self.world_size > 1:
                 src = dist.get_global_rank(group, 0)
@@ -141,6 +146,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         except BaseException:
             self._engine.shutdown()
             self._release_group()
+            _groups.release(self._world, self)
             raise
         self._param_ids = {id(p) for p in module.parameters()}
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
@@ -231,7 +237,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._backward_active = False
         bad = bool(self.algorithm.nonfinite_buckets)
         if self._verdict_round:  # agreed over every rank on the device, no read (bagua_lite.verdict)
-            self._engine.submit(-1, self._no_tensor, [self._verdict.flags_op(dist.group.WORLD, self._first_grad)])
+            self._engine.submit(-1, self._no_tensor, [self._verdict.flags_op(self._world, self._first_grad)])
             self._wait_engine()
         elif not bad and self._nonfinite_flags is not None:  # the checks left on the device: one read per round
             bad = any(host_read(self._nonfinite_flags))
@@ -268,7 +274,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         self._agreed[0] = bad
         agreement.encode(self.algorithm.step, self._agreed[1:])
         try:
-            dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX)
+            dist.all_reduce(self._agreed, op=dist.ReduceOp.MAX, group=self._world)
         except RuntimeError as e:
             self._failfast.announce(f"the step agreement failed: {e}")
             raise
@@ -363,6 +369,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             u.module.set_all_reduce_hook(None)
         step_hooks.forget(self)
         self._release_group()
+        _groups.release(self._world, self)
         try:
             self.algorithm.close()
         finally:

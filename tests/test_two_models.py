@@ -236,3 +236,48 @@ def test_a_gans_thrown_away_round_leaves_no_trace_on_shards(clusters):
                 copied, weights = results[r][label][variant]
                 assert copied, (label, variant, r)
                 assert all(torch.equal(a, b) for a, b in zip(weights, reference)), (label, variant, r)
+
+
+def _r_feeding(rank, world, first):
+    """A DistributedModel (an encoder kept whole) feeding a ShardedModel (the FSDP2 body after it), one loss
+    through both: the body's backward ends first, and its step agreement travels on every rank's group while
+    the encoder's buckets may still be in flight on it (before: gloo aborted the process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    body = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    for unit in (body[0], body[2], body):
+        fully_shard(unit, mesh=mesh["shard"])
+    opt_e, opt_b = torch.optim.SGD(encoder.parameters(), lr=0.05), torch.optim.SGD(body.parameters(), lr=0.05)
+    make_e = lambda: bagua_lite.DistributedModel(encoder, opt_e, bucket_size_mb=0.01)  # noqa: E731
+    make_b = lambda: bagua_lite.ShardedModel(body, opt_b, "gradient_allreduce", mesh=mesh)  # noqa: E731
+    if first == "encoder":
+        e, b = make_e(), make_b()
+    else:
+        b, e = make_b(), make_e()
+    try:
+        for s in range(STEPS * 3):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank * 100 + s))
+            body(e(x)).square().mean().backward()
+            opt_e.step()
+            opt_b.step()
+            opt_e.zero_grad()
+            opt_b.zero_grad()
+    finally:
+        b.close()
+        e.close()
+    copied = e.process_group is not dist.group.WORLD
+    return copied, [p.detach().clone() for p in encoder.parameters()] + [p.detach().full_tensor() for p in body.parameters()]
+
+
+def test_a_model_feeding_a_sharded_model_trains_in_one_backward(clusters):
+    runs = {first: clusters.get(4).run(_r_feeding, first) for first in ("encoder", "body")}
+    for first, results in runs.items():
+        for r in range(4):
+            copied, weights = results[r]
+            assert copied == (first == "body"), (first, r)  # made after the ShardedModel: a copy of the group
+            assert all(torch.equal(a, b) for a, b in zip(weights, results[0][1])), (first, r)  # replicas alike
+            assert all(torch.equal(a, b) for a, b in zip(weights, runs["encoder"][r][1])), (first, r)  # same bits
