@@ -47,9 +47,9 @@ def new_group_like(group, ranks=None):
 
 
 # Open models (DistributedModel, ShardedModel) per group: id(group) -> (group, the open models whose engine
-# sends on it; weakly held: one whose constructor raised no longer counts once collected). Two engines on one group
-# would post their collectives from two threads, in an order that differs across ranks; gloo then aborts the
-# process ("Received data size doesn't match expected size").
+# sends on it; weakly held: one whose constructor raised no longer counts once collected). Two engines on one
+# group would post their collectives from two threads, in an order that differs across ranks; gloo then
+# aborts the process ("Received data size doesn't match expected size").
 _engines_on = {}
 
 

@@ -164,7 +164,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
                 f"AcceleratedOptimizer is one): build the DistributedModel with the optimizer you created, then "
                 f"hand that optimizer to the wrapper (under Accelerate: DistributedModel(net, optimizer, "
                 f"accelerator=accelerator) first, then accelerator.prepare(model, optimizer, loader))")
-        self._frozen = check_wrappable(module, optimizer)  # the parameters at wrapping, frozen or not (ParametersAtWrap)
+        self._frozen = check_wrappable(module, optimizer)  # the parameters at wrapping (ParametersAtWrap)
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DistributedModel: torch.optim.LBFGS evaluates its closure a data-dependent number of "
                              "times per step, so ranks would run different numbers of communication rounds; use an "
@@ -225,7 +225,7 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             port = _Port(self, self._gather_ints, self._share_state, functools.partial(self._admit, joining=False))
             self._elastic = elastic.Controller(self, port, min_workers, on_membership_change, rejoin_window_s,
                                                membership, heartbeat_timeout_s)
-        #: with ``fault_tolerant=True``, what an algorithm that opts in sees of the membership (MembershipView), else None
+        #: with ``fault_tolerant=True``, what an opted-in algorithm sees of the membership (MembershipView), else None
         self.membership = elastic.MembershipView(self._elastic) if fault_tolerant else None
         self._no_tensor = torch.empty(0)
         self._engine_abandoned = False

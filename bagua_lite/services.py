@@ -20,8 +20,8 @@ class Services:
         """Keep this model's group, or, where another open model of this process already sends its engine's
         traffic on it (a GAN's generator and discriminator, a teacher trained beside its student), take a copy
         of its own (``new_group``): the two engines' collectives then never meet. Decided alike on every rank
-        of ``agree_on``, which carries that one allreduce (every rank makes the copy). ``close()`` lets go of it (``_groups.release``). A
-        fault-tolerant model refuses a group in use instead."""
+        of ``agree_on``, which carries that one allreduce (every rank makes the copy); ``close()`` lets go of
+        it. A fault-tolerant model refuses a group in use instead."""
         if fault_tolerant:  # no collective here: a joiner's constructor and the members' admission mirror each other
             if _groups.in_use(self.process_group):
                 raise ValueError(f"{type(self).__name__}: fault_tolerant=True needs a process group no other open "

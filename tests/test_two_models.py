@@ -270,7 +270,8 @@ def _r_feeding(rank, world, first):
         b.close()
         e.close()
     copied = e.process_group is not dist.group.WORLD
-    return copied, [p.detach().clone() for p in encoder.parameters()] + [p.detach().full_tensor() for p in body.parameters()]
+    weights = [p.detach().clone() for p in encoder.parameters()] + [p.detach().full_tensor() for p in body.parameters()]
+    return copied, weights
 
 
 def test_a_model_feeding_a_sharded_model_trains_in_one_backward(clusters):
