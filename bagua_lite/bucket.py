@@ -107,6 +107,11 @@ class Bucket:
         return f"Bucket({self.index}, params={len(self.params)}, numel={self.numel}, dtype={self.dtype})"
 
 
+def all_zero(tensors) -> bool:
+    """Whether every element of ``tensors`` is zero (one host read for all of them; True for none)."""
+    return not tensors or not bool(torch.stack([t.ne(0).any() for t in tensors]).any())
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of their width (a view: equal bits compare equal, NaN too)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])

@@ -20,7 +20,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from . import _C, _compat
 from ._failfast import PeerFailedError
-from .bucket import check_unconverted
+from .bucket import all_zero, check_unconverted
 
 
 class Scheduler:
@@ -132,7 +132,7 @@ class Scheduler:
                     or self.buckets[bi].flat._version == self._round_versions[bi]:
                 return False
             zeroed.append(p.grad)
-        return not zeroed or not bool(torch.stack([g.ne(0).any() for g in zeroed]).any())
+        return all_zero(zeroed)
 
     def _hand_over(self, b, j, p):
         """Give parameter j's gradient (or None) to the algorithm, then make ``.grad`` its bucket slot. With a

@@ -29,11 +29,16 @@ class Services:
                                  f"other model one of its own: group=torch.distributed.new_group(...)")
         elif self.world_size > 1 and _groups.any_rank(_groups.in_use(self.process_group), agree_on):
             self.process_group = self.new_group()
-        self._held_group = self.process_group
-        _groups.hold(self._held_group, self)
+        self._hold(self.process_group)
+
+    def _hold(self, group) -> None:
+        """Count this model as sending on ``group`` until ``close()`` (``_release_group``)."""
+        self._held_groups = getattr(self, "_held_groups", []) + [group]
+        _groups.hold(group, self)
 
     def _release_group(self) -> None:
-        _groups.release(getattr(self, "_held_group", None), self)
+        for group in getattr(self, "_held_groups", ()):
+            _groups.release(group, self)
 
     def _undo_construction(self) -> None:
         """The constructor raised after taking hooks, a thread and the group: let go of them all, so that the

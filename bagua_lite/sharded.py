@@ -31,7 +31,7 @@ from ._failfast import FailFast
 from ._groups import new_group_like
 from .agreement import RoundAgreement
 from .algorithm import Algorithm, registered, registered_class
-from .bucket import Bucket, defer_nonfinite_checks, host_read
+from .bucket import Bucket, all_zero, defer_nonfinite_checks, host_read
 from .config import algorithm_from
 from .services import Services
 from .shard_units import find_units, resolve_groups
@@ -115,7 +115,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         # engine sends on it (a model feeding this one: its buckets may be in flight during this agreement).
         world = dist.group.WORLD
         self._world = new_group_like(world) if _groups.any_rank(_groups.in_use(world), world) else world
-        _groups.hold(self._world, self)  # a DistributedModel made later takes a copy of it
+        self._hold(self._world)  # a DistributedModel made later takes a copy of it
         with torch.no_grad():  # every parameter's shard, frozen ones too: replicas start alike
             if broadcast_parameters and self.world_size > 1:
                 src = dist.get_global_rank(group, 0)
@@ -146,7 +146,6 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         except BaseException:
             self._engine.shutdown()
             self._release_group()
-            _groups.release(self._world, self)
             raise
         self._param_ids = {id(p) for p in module.parameters()}
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
@@ -223,13 +222,13 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
         zero: read only then). FSDP2 sets this round's ``.grad`` after the units' hooks."""
         zeroed = []
         with torch.no_grad():
-            for p, version in zip(self.owners, self._round_versions or [object()] * len(self.owners)):
+            for p, version in zip(self.owners, self._round_versions or [None] * len(self.owners)):
                 if p.grad is None:
                     continue
                 if p.grad._version == version:  # the DTensor's: an in-place op on it leaves its local tensor's
                     return False
                 zeroed.append(p.grad.to_local())
-        return not zeroed or not bool(torch.stack([g.ne(0).any() for g in zeroed]).any())
+        return all_zero(zeroed)
 
     def _finish_round(self):
         """After the last unit's hook: one MAX allreduce over every rank of (a non-finite gradient anywhere,
@@ -369,7 +368,6 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             u.module.set_all_reduce_hook(None)
         step_hooks.forget(self)
         self._release_group()
-        _groups.release(self._world, self)
         try:
             self.algorithm.close()
         finally:
