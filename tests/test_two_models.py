@@ -282,3 +282,66 @@ def test_a_model_feeding_a_sharded_model_trains_in_one_backward(clusters):
             assert copied == (first == "body"), (first, r)  # made after the ShardedModel: a copy of the group
             assert all(torch.equal(a, b) for a, b in zip(weights, results[0][1])), (first, r)  # replicas alike
             assert all(torch.equal(a, b) for a, b in zip(weights, runs["encoder"][r][1])), (first, r)  # same bits
+
+
+def _r_beside_torch(rank, world, kind, order):
+    """An encoder under torch's own DDP or ``fully_shard`` (FSDP2, one unit per layer) over the job's group,
+    feeding a head under a DistributedModel, one loss through both. Both send on that group in backward, from
+    two threads: before, their collectives met in an order that differed across ranks and gloo hung until
+    the timeout. ``order``: "torch_first" (the DistributedModel, made second, finds it and takes a copy),
+    "ours_first" (refused at the first backward, before anything is sent), or "own_group" (the reference:
+    the head given a group of its own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    head = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    start = [p.detach().clone() for p in head.parameters()]
+    opt_h = torch.optim.SGD(head.parameters(), lr=0.1)
+
+    def wrap_encoder():
+        if kind == "ddp":
+            return DistributedDataParallel(encoder, bucket_cap_mb=0.0001)
+        mesh = init_device_mesh("cpu", (world,))
+        for unit in (encoder[0], encoder[2], encoder):
+            fully_shard(unit, mesh=mesh)
+        return encoder
+    own = dist.new_group(list(range(world))) if order == "own_group" else None
+    wrap_head = lambda: bagua_lite.DistributedModel(head, opt_h, "gtopk", bucket_size_mb=0.0001, group=own)  # noqa: E731
+    if order == "ours_first":
+        h, e = wrap_head(), wrap_encoder()
+    else:
+        e, h = wrap_encoder(), wrap_head()
+    opt_e = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    refused = None
+    try:
+        for s in range(4):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank * 100 + s))
+            F.cross_entropy(h(e(x)), torch.arange(8) % 16).backward()
+            opt_e.step()
+            opt_h.step()
+            opt_e.zero_grad()
+            opt_h.zero_grad()
+    except RuntimeError as err:
+        refused = str(err)
+    finally:
+        h.close()
+    weights = [p.detach().clone() for p in head.parameters()]
+    weights += [p.detach().full_tensor() if kind == "fully_shard" else p.detach().clone() for p in encoder.parameters()]
+    return h.process_group is not dist.group.WORLD, refused, weights, all(map(torch.equal, start, weights))
+
+
+@pytest.mark.parametrize("kind", ("ddp", "fully_shard"))
+def test_a_model_beside_torchs_own_ddp_or_fsdp_on_its_group_takes_a_copy_or_is_refused(clusters, kind):
+    cluster = clusters.get(3)
+    reference = cluster.run(_r_beside_torch, kind, "own_group")
+    for r, (copied, refused, weights, _) in enumerate(cluster.run(_r_beside_torch, kind, "torch_first")):
+        assert copied and refused is None, (r, refused)
+        assert all(map(torch.equal, weights, reference[r][2])), r  # bit for bit the head on a group of its own
+        assert all(map(torch.equal, weights, reference[0][2])), r  # replicas alike
+    name = "DistributedDataParallel" if kind == "ddp" else "fully_shard (FSDP2)"
+    for r, (_, refused, _, unchanged) in enumerate(cluster.run(_r_beside_torch, kind, "ours_first")):
+        assert refused is not None and f"a torch {name}" in refused and "made after this model" in refused, refused
+        assert unchanged, r  # refused at the first backward: the head never stepped
