@@ -1,7 +1,5 @@
 """What an algorithm uses of its DistributedModel besides its buckets, parameters, optimizer, group, rank and
 world size: running its own collectives on the engine with fail fast, and the peers' failure news."""
-import torch.distributed as dist
-
 from ._failfast import PeerFailedError
 from . import _groups, step_hooks
 from ._groups import new_group_like
@@ -37,23 +35,6 @@ class Services:
         """Count this model as sending on ``group`` until ``close()`` (``_release_group``)."""
         self._held_groups = getattr(self, "_held_groups", []) + [group]
         _groups.hold(group, self)
-
-    def _check_alone(self) -> None:
-        """At the first round: a torch DDP or FSDP made after this model on one of its groups (one made before
-        it was found at wrapping, and this model took a copy) would interleave its collectives with this
-        model's, in an order that differs across ranks (gloo aborts, or hangs until the group's timeout).
-        Refused on every rank alike, before this round sends anything."""
-        for group in getattr(self, "_held_groups", ()) if self.world_size > 1 else ():
-            users = _groups.torch_users(group)
-            if users:
-                raise RuntimeError(
-                    f"{type(self).__name__}: a torch {users[0]} made after this model sends on its process "
-                    f"group (ranks {dist.get_process_group_ranks(group)}) during backward, as this model does; "
-                    f"their collectives would meet in an order that differs across ranks (gloo aborts, or "
-                    f"hangs until the timeout). Make the {users[0]} before this model, which then takes a "
-                    f"group of its own, or give one of them its own: "
-                    f"DistributedDataParallel(..., process_group=torch.distributed.new_group())")
-        self._alone_checked = True
 
     def _release_group(self) -> None:
         for group in getattr(self, "_held_groups", ()):
