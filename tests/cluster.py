@@ -183,6 +183,7 @@ class Cluster:
         for p in self._procs:
             p.start()
         self.broken = False
+        self._history = []
 
     def run(self, fn, *args, timeout=180, grace=30):
         """Run ``fn(rank, world_size, *args)`` on every rank; return the results in rank order.
@@ -229,14 +230,30 @@ class Cluster:
             dead = sorted(set(dead) | {r for r, p in enumerate(self._procs) if not p.is_alive() and r not in got})
             parts = []
             if missing:
-                codes = ", ".join(f"rank {r}: {_exit_status(self._procs[r].exitcode)}" for r in dead)
+                codes = ", ".join(f"rank {r}: {_exit_status(self._procs[r].exitcode)}{self._last_words(r)}"
+                                  for r in dead)
                 parts.append(f"no result from rank(s) {missing} (dead: {dead}; {codes or 'none exited'})")
             if errors:
                 parts.append(f"failed on {len(errors)} rank(s):\n" + "\n".join(errors))
             for r in missing:  # dead, or still inside something: what it last wrote
                 parts.append(f"--- rank {r}'s stderr, the end ---\n{self.log_tail(r)}")
+            if self._history:  # what ran before it on these processes: a failure may come from a task's leftovers
+                parts.append(f"this cluster's previous tasks, oldest first: {', '.join(self._history)}")
             raise RemoteError(f"{fn.__name__}: " + "; ".join(parts), partial=got, dead=dead)
+        self._history = (self._history + [fn.__name__])[-12:]
         return [got[r][1] for r in range(self.world_size)]
+
+    _WHY = ("terminate called", "what():", "Fatal Python error", "malloc", "free()", "corrupted", "double free")
+
+    def _last_words(self, rank):
+        """What a dead rank said of why it died (gloo's or the C library's message), for the error's first
+        line: the end of its log, quoted further on, may be cut where a report is excerpted."""
+        try:
+            with open(self._logs[rank], errors="replace") as f:
+                lines = [ln.strip() for ln in f if any(w in ln for w in self._WHY)]
+        except OSError:
+            return ""
+        return (": " + " | ".join(lines[-4:])[:1500]) if lines else ""
 
     def log_tail(self, rank, chars=6000):
         """The end of what ``rank`` wrote to stderr (its log file)."""

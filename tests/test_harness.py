@@ -32,6 +32,36 @@ def test_a_rank_killed_by_a_signal_is_named_with_it_and_its_stack_printed():
     assert "in _r_crash" in tail, tail  # the line it died on
 
 
+def _r_ok(rank, world):
+    return rank
+
+
+def _r_abort(rank, world):
+    """Dies as an uncaught C++ exception does (gloo's on a mismatched message): its words, then SIGABRT."""
+    if rank == 1:
+        os.write(2, b"terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+                    b"  what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 272 vs 16.\n")
+        os.abort()
+    return rank
+
+
+def test_a_rank_aborted_is_named_with_its_last_words_first_and_the_tasks_run_before_it():
+    """What a dead rank printed of why (gloo's what(), the C library's heap errors) is in the error's first
+    line, and the tasks the cluster ran before are at its end: a report that keeps only both ends of a
+    long error (as CI's does) still says why a rank died and what ran before it."""
+    c = Cluster(2)
+    try:
+        c.run(_r_ok)
+        with pytest.raises(RemoteError) as err:
+            c.run(_r_abort, timeout=60, grace=5)
+    finally:
+        c.close()
+    first, last = str(err.value).splitlines()[0], str(err.value).splitlines()[-1]
+    assert "rank 1: killed by SIGABRT: terminate called after throwing an instance of 'gloo::EnforceNotMet'" in first
+    assert "272 vs 16" in first, first
+    assert last.endswith("previous tasks, oldest first: _r_ok"), last
+
+
 def _gloo_threads():
     """This process's gloo threads by name (two workers per group, one event loop per group's device)."""
     names = collections.Counter()
