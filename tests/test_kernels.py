@@ -2,6 +2,7 @@
 
 References are plain numpy/torch; bit-exact where the kernel documents a fixed order of operations.
 """
+import math
 import numpy as np
 import pytest
 import torch
@@ -629,3 +630,35 @@ def test_copy_flagged_bad_arguments():
         with pytest.raises(ValueError, match="copy_flagged_") as e:
             bagua_lite._C.copy_flagged_(*args)
         assert what in str(e.value), (what, str(e.value))
+
+
+def test_merge_topk_nan_ranks_first_then_magnitude_then_index():
+    """A NaN (given, or inf + -inf summed on a shared index) outranks every magnitude, as in torch.topk and
+    our topk kernel; NaNs among themselves, and equal magnitudes, go to the lower index. The selection needs
+    a strict weak order for this to be defined at all: several NaNs among many entries."""
+    nan = float("nan")
+    for trial in range(30):
+        universe = [60, 2_000][trial % 2]
+        av, ai = _canonical(min(40 + trial, universe), universe, 300 + trial, int_valued=True)
+        bv, bi = _canonical(min(35 + trial, universe), universe, 400 + trial, int_valued=True)
+        g = torch.Generator().manual_seed(trial)
+        av[torch.randperm(av.numel(), generator=g)[:3]] = nan
+        bv[trial % bv.numel()] = float("inf")
+        pos_a = {i: p for p, i in enumerate(ai.tolist())}
+        pos_b = {i: p for p, i in enumerate(bi.tolist())}
+        for sign, idx in zip((1.0, -1.0), sorted(set(pos_a) & set(pos_b))[:2]):  # inf + -inf = NaN
+            av[pos_a[idx]], bv[pos_b[idx]] = sign * float("inf"), -sign * float("inf")
+        union = {}
+        for v, i in zip(av.tolist(), ai.tolist()):
+            union[i] = v
+        for v, i in zip(bv.tolist(), bi.tolist()):
+            union[i] = union[i] + v if i in union else v
+        assert sum(math.isnan(v) for v in union.values()) >= 3
+        rank = lambda i: (0, 0.0, i) if math.isnan(union[i]) else (1, -abs(union[i]), i)  # noqa: E731
+        for k in (1, 3, 5, 8, len(union) // 2, len(union) - 1):
+            ref = sorted(sorted(union, key=rank)[:k])
+            want = np.array([union[i] for i in ref], dtype=np.float32)
+            for x, y in (((av, ai), (bv, bi)), ((bv, bi), (av, ai))):
+                ov, oi = K.merge_topk(*x, *y, k)
+                assert oi.tolist() == ref, (trial, k)
+                assert np.array_equal(ov.numpy(), want, equal_nan=True), (trial, k)

@@ -113,9 +113,14 @@ int64_t keep_topk_raw(T* mv, const int32_t* mi, int64_t m, int64_t k, T* ov, int
   }
   order.resize(m);
   std::iota(order.begin(), order.end(), 0);
+  // A strict weak order is what nth_element needs (NaN compares false with everything, which breaks it: the
+  // result is undefined). NaN ranks above every magnitude, as in the top-k kernel's keys and torch.topk.
   auto better = [&](int64_t x, int64_t y) {
     const auto mx = magnitude(mv[x]), my = magnitude(mv[y]);
-    return mx > my || (mx == my && x < y);  // position order == index order in the set
+    const bool nx = mx != mx, ny = my != my;
+    if (nx != ny) return nx;
+    if (!nx && mx != my) return mx > my;
+    return x < y;  // position order == index order in the set
   };
   std::nth_element(order.begin(), order.begin() + k, order.end(), better);
   std::sort(order.begin(), order.begin() + k);
