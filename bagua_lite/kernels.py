@@ -67,7 +67,8 @@ def sparse_normalize(values, indices):
 
 
 def merge_topk(av, ai, bv, bi, k: int):
-    """Union of two canonical sets (sum on equal indices), keeping the k largest by magnitude."""
+    """Union of two canonical sets (sum on equal indices), keeping the k largest by magnitude (a NaN above every
+    magnitude, as in ``topk``; ties to the lower index), in ascending index order."""
     return _C.merge_topk(av, ai, bv, bi, k)
 
 
