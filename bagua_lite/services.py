@@ -1,5 +1,9 @@
 """What an algorithm uses of its DistributedModel besides its buckets, parameters, optimizer, group, rank and
 world size: running its own collectives on the engine with fail fast, and the peers' failure news."""
+import warnings
+
+import torch.distributed as dist
+
 from ._failfast import PeerFailedError
 from . import _groups, step_hooks
 from ._groups import new_group_like
@@ -35,6 +39,25 @@ class Services:
         """Count this model as sending on ``group`` until ``close()`` (``_release_group``)."""
         self._held_groups = getattr(self, "_held_groups", []) + [group]
         _groups.hold(group, self)
+
+    def _check_alone(self) -> None:
+        """At the first round: a torch DDP or FSDP made after this model on one of its groups (one made before
+        it was found at wrapping, and this model took a copy) sends on it in backward too. Used in backwards of
+        their own (a reference model) that is harmless; one backward through both would meet their collectives
+        in an order that differs across ranks (gloo aborts the process), so it is named now, on every rank."""
+        self._alone_checked = True
+        for group in getattr(self, "_held_groups", ()) if self.world_size > 1 else ():
+            users = _groups.torch_users(group)
+            if users:
+                warnings.warn(
+                    f"{type(self).__name__}: a torch {users[0]} made after this model sends on its process group "
+                    f"(ranks {dist.get_process_group_ranks(group)}) during backward, as this model does. If one "
+                    f"backward runs through both, their collectives meet in an order that differs across ranks "
+                    f"(gloo aborts the process, or it hangs until the timeout): make the {users[0]} before this "
+                    f"model, which then takes a group of its own, or give it one (DistributedDataParallel(..., "
+                    f"process_group=torch.distributed.new_group()); fully_shard(..., mesh=DeviceMesh.from_group("
+                    f"torch.distributed.new_group(), device_type)))", stacklevel=3)
+                return
 
     def _release_group(self) -> None:
         for group in getattr(self, "_held_groups", ()):

@@ -282,3 +282,78 @@ def test_a_model_feeding_a_sharded_model_trains_in_one_backward(clusters):
             assert copied == (first == "body"), (first, r)  # made after the ShardedModel: a copy of the group
             assert all(torch.equal(a, b) for a, b in zip(weights, results[0][1])), (first, r)  # replicas alike
             assert all(torch.equal(a, b) for a, b in zip(weights, runs["encoder"][r][1])), (first, r)  # same bits
+
+
+def _r_beside_torch(rank, world, kind, order, apart):
+    """An encoder under torch's own DDP or ``fully_shard`` (FSDP2, one unit per layer) over the job's group,
+    feeding a head under a DistributedModel. Both send on that group in backward, from two threads: with one
+    loss through both, their collectives met in an order that differed across ranks, and gloo hung until the
+    timeout or aborted. ``order``: "torch_first" (the DistributedModel, made second, finds it at wrapping and
+    takes a copy), "own_group" (the reference: the head given a group of its own), or "ours_first" (found at
+    the first round, and named in a warning); ``apart``: the encoder and the head in backwards of their own
+    (the head fed the encoder's output detached), which is harmless in any order."""
+    import warnings
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    encoder = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    head = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    opt_h = torch.optim.SGD(head.parameters(), lr=0.1)
+
+    def wrap_encoder():
+        if kind == "ddp":
+            return DistributedDataParallel(encoder, bucket_cap_mb=0.0001)
+        mesh = init_device_mesh("cpu", (world,))
+        for unit in (encoder[0], encoder[2], encoder):
+            fully_shard(unit, mesh=mesh)
+        return encoder
+    own = dist.new_group(list(range(world))) if order == "own_group" else None
+    wrap_head = lambda: bagua_lite.DistributedModel(head, opt_h, "gtopk", bucket_size_mb=0.0001, group=own)  # noqa: E731
+    if order == "ours_first":
+        h, e = wrap_head(), wrap_encoder()
+    else:
+        e, h = wrap_encoder(), wrap_head()
+    opt_e = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for s in range(4):
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank * 100 + s))
+                y = torch.arange(8) % 16
+                if apart:
+                    z = e(x)
+                    z.square().mean().backward()
+                    F.cross_entropy(h(z.detach()), y).backward()
+                else:
+                    F.cross_entropy(h(e(x)), y).backward()
+                opt_e.step()
+                opt_h.step()
+                opt_e.zero_grad()
+                opt_h.zero_grad()
+        finally:
+            h.close()
+    named = [str(w.message) for w in caught if "made after this model sends on its process group" in str(w.message)]
+    weights = [p.detach().clone() for p in head.parameters()]
+    weights += [p.detach().full_tensor() if kind == "fully_shard" else p.detach().clone() for p in encoder.parameters()]
+    return h.process_group is not dist.group.WORLD, named, weights
+
+
+@pytest.mark.parametrize("kind", ("ddp", "fully_shard"))
+def test_a_model_beside_torchs_own_ddp_or_fsdp_on_its_group_takes_a_copy_or_names_it(clusters, kind):
+    cluster = clusters.get(3)
+    name = "DistributedDataParallel" if kind == "ddp" else "fully_shard (FSDP2) module"
+    for apart in (False, True):
+        reference = cluster.run(_r_beside_torch, kind, "own_group", apart)
+        orders = ("torch_first", "ours_first") if apart else ("torch_first",)  # ours_first in one backward aborts
+        for order in orders:
+            for r, (copied, named, weights) in enumerate(cluster.run(_r_beside_torch, kind, order, apart)):
+                assert copied == (order == "torch_first"), (order, apart, r)
+                assert all(map(torch.equal, weights, reference[r][2])), (order, apart, r)  # the head on its own group
+                assert all(map(torch.equal, weights, reference[0][2])), (order, apart, r)  # replicas alike
+                if order == "torch_first":
+                    assert named == [], (order, apart, r, named)
+                else:  # named once, at the first round, on every rank
+                    assert len(named) == 1 and f"a torch {name} made after" in named[0], (order, apart, r, named)
+        assert all(named == [] for _, named, _ in reference)
