@@ -23,6 +23,8 @@ Before, the two models' engines posted their collectives on one group from two t
 differed across ranks, and gloo aborted the process; now a model whose group another open model uses takes
 a copy of it.
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -284,6 +286,20 @@ def test_a_model_feeding_a_sharded_model_trains_in_one_backward(clusters):
             assert all(torch.equal(a, b) for a, b in zip(weights, runs["encoder"][r][1])), (first, r)  # same bits
 
 
+class _Skew(torch.autograd.Function):
+    """The identity, whose backward waits 30 ms per rank: the encoder's backward (torch's collectives) then
+    starts at a different time on each rank, against the head's rounds in flight on the engine's thread."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(0.03 * dist.get_rank())
+        return g
+
+
 def _r_beside_torch(rank, world, kind, order, apart):
     """An encoder under torch's own DDP or ``fully_shard`` (FSDP2, one unit per layer) over the job's group,
     feeding a head under a DistributedModel. Both send on that group in backward, from two threads: with one
@@ -327,7 +343,7 @@ def _r_beside_torch(rank, world, kind, order, apart):
                     z.square().mean().backward()
                     F.cross_entropy(h(z.detach()), y).backward()
                 else:
-                    F.cross_entropy(h(e(x)), y).backward()
+                    F.cross_entropy(h(_Skew.apply(e(x))), y).backward()
                 opt_e.step()
                 opt_h.step()
                 opt_e.zero_grad()
