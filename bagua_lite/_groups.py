@@ -80,19 +80,32 @@ def _groups_of(obj):
     return [getattr(obj, a, None) for _, _, attrs, _ in _TORCH_SENDERS for a in attrs]
 
 
+def _subclasses(cls) -> list:
+    out, todo = [], [cls]
+    while todo:
+        c = todo.pop()
+        if c not in out:
+            out.append(c)
+            todo.extend(c.__subclasses__())
+    return out
+
+
 def torch_users(group) -> list:
     """One name per torch data-parallel wrapper of this process (DDP, FSDP, a ``fully_shard`` param group) that
     sends on ``group`` in backward, as our engine does: their collectives and ours would interleave in an
-    order that differs across ranks. Found through the garbage collector (what ``gc.freeze()`` froze is not
-    seen), in about 0.1 s for a process that imported torch."""
+    order that differs across ranks. An instance of a Python class refers to its class, so the collector's
+    referrers of these classes are their instances: one pass in C over its objects (what ``gc.freeze()`` froze
+    is not seen), about 0.07 s per 3 million objects."""
     from bagua_lite._ddp_type import DDPType  # a DistributedModel is a DDP in type only: not one of them
-    kinds = [(getattr(sys.modules.get(m), n, None), label) for m, n, _, label in _TORCH_SENDERS]
-    kinds = [(c, label) for c, label in kinds if c is not None]
-    classes = tuple(c for c, _ in kinds)
+    label_of = {}
+    for module, name, _, label in _TORCH_SENDERS:
+        base = getattr(sys.modules.get(module), name, None)  # not imported: no instance
+        for cls in _subclasses(base) if base is not None else ():
+            if not issubclass(cls, DDPType):
+                label_of.setdefault(cls, label)
     def find():
-        return [next(label for c, label in kinds if issubclass(type(o), c)) for o in gc.get_objects()
-                if issubclass(type(o), classes) and not issubclass(type(o), DDPType)
-                and any(g is group for g in _groups_of(o))]
+        return [label_of[type(o)] for o in gc.get_referrers(*label_of)
+                if type(o) in label_of and any(g is group for g in _groups_of(o))] if label_of else []
     found = find()
     if found:
         gc.collect()  # not one the loop already dropped (a cycle keeps it until a collection)

@@ -373,3 +373,39 @@ def test_a_model_beside_torchs_own_ddp_or_fsdp_on_its_group_takes_a_copy_or_name
                 else:  # named once, at the first round, on every rank
                     assert len(named) == 1 and f"a torch {name} made after" in named[0], (order, apart, r, named)
         assert all(named == [] for _, named, _ in reference)
+
+
+class _MyDDP(torch.nn.parallel.DistributedDataParallel):
+    """A user's subclass of torch's DDP: it sends on its group as DDP does."""
+
+
+def _r_torch_users(rank, world):
+    """What torch_users finds on the job's group as wrappers come and go: none before, none for our own model
+    (a DDP in type only), a user's subclass of DDP, a fully_shard param group (one per module that holds
+    parameters), none on another group, and not one that was dropped."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from bagua_lite import _groups
+
+    own = dist.new_group(list(range(world)))
+    found = [_groups.torch_users(dist.group.WORLD)]
+    net = torch.nn.Linear(4, 4)
+    model = bagua_lite.DistributedModel(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    found.append(_groups.torch_users(dist.group.WORLD))
+    ddp = _MyDDP(torch.nn.Linear(4, 4))
+    found.append(_groups.torch_users(dist.group.WORLD))
+    sharded = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(sharded[0], mesh=init_device_mesh("cpu", (world,)))
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (world,)))  # holds no parameter of its own
+    found.append(sorted(_groups.torch_users(dist.group.WORLD)))
+    found.append(_groups.torch_users(own))
+    model.close()
+    del ddp
+    found.append(_groups.torch_users(dist.group.WORLD))
+    return found
+
+
+def test_torch_users_finds_ddp_subclasses_and_fully_shard_param_groups_but_not_ours(clusters):
+    for found in clusters.get(2).run(_r_torch_users):
+        ddp, fsdp = "DistributedDataParallel", "fully_shard (FSDP2) module"
+        assert found == [[], [], [ddp], [ddp, fsdp], [], [fsdp]], found
