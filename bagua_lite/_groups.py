@@ -104,8 +104,8 @@ def torch_users(group) -> list:
             if not issubclass(cls, DDPType):
                 label_of.setdefault(cls, label)
     def find():
-        return [label_of[type(o)] for o in gc.get_referrers(*label_of)
-                if type(o) in label_of and any(g is group for g in _groups_of(o))] if label_of else []
+        return [label_of[type(o)] for o in gc.get_referrers(*label_of)  # no class given: none
+                if type(o) in label_of and any(g is group for g in _groups_of(o))]
     found = find()
     if found:
         gc.collect()  # not one the loop already dropped (a cycle keeps it until a collection)
