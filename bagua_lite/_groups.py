@@ -90,12 +90,9 @@ def _subclasses(cls) -> list:
     return out
 
 
-def torch_users(group) -> list:
-    """One name per torch data-parallel wrapper of this process (DDP, FSDP, a ``fully_shard`` param group) that
-    sends on ``group`` in backward, as our engine does: their collectives and ours would interleave in an
-    order that differs across ranks. An instance of a Python class refers to its class, so the collector's
-    referrers of these classes are their instances: one pass in C over its objects (what ``gc.freeze()`` froze
-    is not seen), about 0.07 s per 3 million objects."""
+def _sender_classes() -> dict:
+    """torch's wrapper classes that send in backward (and their subclasses; not ours, a DDP in type only),
+    each with the name an error gives it."""
     from bagua_lite._ddp_type import DDPType  # a DistributedModel is a DDP in type only: not one of them
     label_of = {}
     for module, name, _, label in _TORCH_SENDERS:
@@ -103,6 +100,17 @@ def torch_users(group) -> list:
         for cls in _subclasses(base) if base is not None else ():
             if not issubclass(cls, DDPType):
                 label_of.setdefault(cls, label)
+    return label_of
+
+
+def torch_users(group) -> list:
+    """One name per torch data-parallel wrapper of this process (DDP, FSDP, a ``fully_shard`` param group) that
+    sends on ``group`` in backward, as our engine does: their collectives and ours would interleave in an
+    order that differs across ranks. An instance of a Python class refers to its class, so the collector's
+    referrers of these classes are their instances: one pass in C over its objects (what ``gc.freeze()`` froze
+    is not seen), about 0.07 s per 3 million objects."""
+    label_of = _sender_classes()
+
     def find():
         return [label_of[type(o)] for o in gc.get_referrers(*label_of)  # no class given: none
                 if type(o) in label_of and any(g is group for g in _groups_of(o))]
@@ -111,6 +119,13 @@ def torch_users(group) -> list:
         gc.collect()  # not one the loop already dropped (a cycle keeps it until a collection)
         found = find()
     return found
+
+
+def senders_signature() -> tuple:
+    """Changes whenever an instance of one of torch's sending wrappers is made or dropped (each instance holds
+    a reference to its class), in microseconds: :func:`torch_users`'s pass over every object is then only
+    needed when it changed."""
+    return tuple((id(cls), sys.getrefcount(cls)) for cls in _sender_classes())
 
 
 def hold(group, model) -> None:

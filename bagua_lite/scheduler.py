@@ -104,6 +104,8 @@ class Scheduler:
                 # Sizes depend on the step: check it on the engine ahead of bucket 0, overlapped with
                 # backward. Otherwise the step count rides in the agreement after the buckets.
                 self._engine.submit(-1, self._no_tensor, [self._step_count_check])
+                if self._serial:
+                    self._serial_wait()
             self._backward_active = True
             self._round_scales = _compat.scaler_scales(self.grad_scaler)  # (scale, 1 / scale) or None
             self._verdict_round = self._verdict is not None and self._elastic is None and self._verdict.begin_round(
@@ -169,6 +171,28 @@ class Scheduler:
                 ops = ops if post is None else [post] + list(ops)
             self._engine.submit(b.index, b.flat, ops)
             self._next_bucket += 1
+            if self._serial:
+                self._serial_wait()
+
+    def _serial_wait(self):
+        """Beside a torch DDP/FSDP made after this model on its group (``Services._check_alone``): the bucket's
+        collectives are done before backward's thread goes on to post torch's, in one order on every rank. A
+        failure ends the round as the wait at the end of backward does."""
+        t0 = time.perf_counter()
+        try:
+            self._wait_engine()
+        except BaseException:
+            self._reset_round()
+            raise
+        finally:
+            self.timings["backward_wait_s"] += time.perf_counter() - t0
+
+    def _reset_round(self):
+        self._backward_active = False
+        self._unsynced = False
+        self._next_bucket = 0
+        self._ready = [0] * len(self.buckets)
+        self._marked = [[False] * len(b.params) for b in self.buckets]
 
     def _finish_backward(self):
         # Parameters without a gradient this step contribute zeros, so every rank runs every bucket.
@@ -192,11 +216,7 @@ class Scheduler:
             lost = e
         finally:
             self.timings["backward_wait_s"] += time.perf_counter() - t0
-            self._backward_active = False
-            self._unsynced = False
-            self._next_bucket = 0
-            self._ready = [0] * len(self.buckets)
-            self._marked = [[False] * len(b.params) for b in self.buckets]
+            self._reset_round()
         if lost is not None:
             self._elastic.recover(lost)  # discard this round, re-form the group (or raise)
             return

@@ -41,23 +41,38 @@ class Services:
         _groups.hold(group, self)
 
     def _check_alone(self) -> None:
-        """At the first round: a torch DDP or FSDP made after this model on one of its groups (one made before
-        it was found at wrapping, and this model took a copy) sends on it in backward too. Used in backwards of
-        their own (a reference model) that is harmless; one backward through both would meet their collectives
-        in an order that differs across ranks (gloo aborts the process), so it is named now, on every rank."""
-        self._alone_checked = True
-        for group in getattr(self, "_held_groups", ()) if self.world_size > 1 else ():
-            users = _groups.torch_users(group)
-            if users:
-                warnings.warn(
-                    f"{type(self).__name__}: a torch {users[0]} made after this model sends on its process group "
-                    f"(ranks {dist.get_process_group_ranks(group)}) during backward, as this model does. If one "
-                    f"backward runs through both, their collectives meet in an order that differs across ranks "
-                    f"(gloo aborts the process, or it hangs until the timeout): make the {users[0]} before this "
-                    f"model, which then takes a group of its own, or give it one (DistributedDataParallel(..., "
-                    f"process_group=torch.distributed.new_group()); fully_shard(..., mesh=DeviceMesh.from_group("
-                    f"torch.distributed.new_group(), device_type)))", stacklevel=3)
-                return
+        """At each round: whether a torch DDP or FSDP made after this model sends on one of its groups in
+        backward too (one made before it was found at wrapping, and this model took a copy). In one backward
+        through both, their collectives and the engine's would meet in an order that differs across ranks
+        (gloo aborts the process), so from then on backward's thread waits for the engine after every bucket
+        it hands it: every collective on the group is then posted from that thread, in backward's order, on
+        every rank. That costs the overlap, so it is named in a warning; it ends when that wrapper is dropped.
+        Looked for again only when an instance of torch's wrappers was made or dropped (microseconds)."""
+        if self.world_size == 1 or self._waits_every_bucket:
+            return
+        seen = _groups.senders_signature()
+        if seen == self._senders_seen:
+            return
+        self._senders_seen = seen
+        found = next(((g, users[0]) for g in getattr(self, "_held_groups", ()) for users in [_groups.torch_users(g)]
+                      if users), None)
+        serial = found is not None and self._elastic is None
+        if found is not None and (serial != self._serial or not serial):
+            group, user = found
+            fix = (f"make the {user} before this model, which then takes a group of its own, or give it one "
+                   f"(DistributedDataParallel(..., process_group=torch.distributed.new_group()); fully_shard(..., "
+                   f"mesh=DeviceMesh.from_group(torch.distributed.new_group(), device_type)))")
+            if serial:
+                what = (f"so that, should one backward run through both, their collectives meet in one order on "
+                        f"every rank, this model now waits for each bucket's communication before backward goes "
+                        f"on (its overlap with backward is lost; the result is the same). To keep the overlap, {fix}")
+            else:  # a fault-tolerant model's rounds recover from a lost peer at the end of backward
+                what = (f"if one backward runs through both, their collectives meet in an order that differs across "
+                        f"ranks (gloo aborts the process, or it hangs until the timeout): {fix}")
+            warnings.warn(f"{type(self).__name__}: a torch {user} made after this model sends on its process group "
+                          f"(ranks {dist.get_process_group_ranks(group)}) during backward, as this model does; "
+                          f"{what}", stacklevel=3)
+        self._serial = serial
 
     def _release_group(self) -> None:
         for group in getattr(self, "_held_groups", ()):

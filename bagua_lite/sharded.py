@@ -73,6 +73,7 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
     #: what an algorithm sees: it runs on each rank's shards (buckets: one per FSDP unit, ``params``: the local
     #: shards), across ``process_group``, the replicate group
     sharded = True
+    _waits_every_bucket = True  # each unit's hook waits for its round (StepHooks._serial)
 
     def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: Union[str, os.PathLike, Algorithm] = "gradient_allreduce", *, mesh=None,

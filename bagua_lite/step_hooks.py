@@ -95,8 +95,10 @@ class StepHooks:
     #: a synchronised round started since the last optimizer.step() (see _begin_round), and the model's
     #: GradScaler's record of the iteration then
     _round_unstepped, _round_record = False, None
-    #: whether the first round looked for torch's DDP/FSDP on this model's groups (Services._check_alone)
-    _alone_checked = False
+    #: whether backward's thread waits for the engine after each bucket it hands it: always (ShardedModel's
+    #: units), or beside a torch DDP/FSDP made after the model on its group (_serial: Services._check_alone,
+    #: which looks again whenever _groups.senders_signature() moved from _senders_seen)
+    _waits_every_bucket, _serial, _senders_seen = False, False, None
     #: the version counters of the gradients a kept round left (buckets, or shards' ``.grad``): see _grads_discarded
     _round_versions = None
     #: how many param groups the optimizer had when check_steps_only last passed
@@ -131,8 +133,7 @@ class StepHooks:
         forgets those gradients, so error feedback's residuals and PowerSGD's state must too. Where
         ``.grad`` holds an update (``Algorithm.grad_holds_update``), a second round before the step is refused
         instead, before any gradient is handed over."""
-        if not self._alone_checked:
-            self._check_alone()
+        self._check_alone()
         if self._round_unstepped and self._last_round_kept():
             if not self.algorithm.grad_holds_update and self._grads_discarded(first):
                 self.algorithm.kept_state.roll_back()  # the backups are still those of the round thrown away

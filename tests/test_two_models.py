@@ -305,9 +305,13 @@ def _r_beside_torch(rank, world, kind, order, apart):
     feeding a head under a DistributedModel. Both send on that group in backward, from two threads: with one
     loss through both, their collectives met in an order that differed across ranks, and gloo hung until the
     timeout or aborted. ``order``: "torch_first" (the DistributedModel, made second, finds it at wrapping and
-    takes a copy), "own_group" (the reference: the head given a group of its own), or "ours_first" (found at
-    the first round, and named in a warning); ``apart``: the encoder and the head in backwards of their own
-    (the head fed the encoder's output detached), which is harmless in any order."""
+    takes a copy), "own_group" (the reference: the head given a group of its own), "ours_first" (found at
+    the first round, named in a warning, and from then on the head waits for each bucket in backward, so
+    that both post their collectives from backward's thread) or "ours_late" (the encoder wrapped after the
+    head's first step: found at the next round); ``apart``: the encoder and the head in backwards of their
+    own (the head fed the encoder's output detached). Every order starts with a step of the head alone.
+    Returns whether the head took a copy of the group, the warnings naming the wrapper, whether the head
+    waited for its buckets at the end (and, for DDP, once the encoder's DDP was dropped), and the weights."""
     import warnings
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -329,15 +333,24 @@ def _r_beside_torch(rank, world, kind, order, apart):
     wrap_head = lambda: bagua_lite.DistributedModel(head, opt_h, "gtopk", bucket_size_mb=0.0001, group=own)  # noqa: E731
     if order == "ours_first":
         h, e = wrap_head(), wrap_encoder()
+    elif order == "ours_late":
+        h, e = wrap_head(), None
     else:
         e, h = wrap_encoder(), wrap_head()
-    opt_e = torch.optim.SGD(encoder.parameters(), lr=0.1)
+    y = torch.arange(8) % 16
+
+    def head_alone(seed):
+        F.cross_entropy(h(torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))), y).backward()
+        opt_h.step()
+        opt_h.zero_grad()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
+            head_alone(rank * 100 + 99)
+            e = wrap_encoder() if e is None else e
+            opt_e = torch.optim.SGD(encoder.parameters(), lr=0.1)
             for s in range(4):
                 x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank * 100 + s))
-                y = torch.arange(8) % 16
                 if apart:
                     z = e(x)
                     z.square().mean().backward()
@@ -348,31 +361,40 @@ def _r_beside_torch(rank, world, kind, order, apart):
                 opt_h.step()
                 opt_e.zero_grad()
                 opt_h.zero_grad()
+            serial = [h._serial]
+            weights = [p.detach().clone() for p in head.parameters()]
+            weights += [p.detach().full_tensor() if kind == "fully_shard" else p.detach().clone()
+                        for p in encoder.parameters()]
+            if kind == "ddp":  # torch's DDP dropped: the head's next round overlaps again
+                del e, opt_e
+                head_alone(rank * 100 + 98)
+                serial.append(h._serial)
         finally:
             h.close()
     named = [str(w.message) for w in caught if "made after this model sends on its process group" in str(w.message)]
-    weights = [p.detach().clone() for p in head.parameters()]
-    weights += [p.detach().full_tensor() if kind == "fully_shard" else p.detach().clone() for p in encoder.parameters()]
-    return h.process_group is not dist.group.WORLD, named, weights
+    return h.process_group is not dist.group.WORLD, named, serial, weights
 
 
 @pytest.mark.parametrize("kind", ("ddp", "fully_shard"))
-def test_a_model_beside_torchs_own_ddp_or_fsdp_on_its_group_takes_a_copy_or_names_it(clusters, kind):
+def test_a_model_beside_torchs_own_ddp_or_fsdp_on_its_group_takes_a_copy_or_waits_for_its_buckets(clusters, kind):
+    """Bit for bit the head on a group of its own, whichever is made first, in one backward or two. Without
+    the wait, "ours_first" in one backward aborted (gloo) on every run."""
     cluster = clusters.get(3)
     name = "DistributedDataParallel" if kind == "ddp" else "fully_shard (FSDP2) module"
     for apart in (False, True):
         reference = cluster.run(_r_beside_torch, kind, "own_group", apart)
-        orders = ("torch_first", "ours_first") if apart else ("torch_first",)  # ours_first in one backward aborts
-        for order in orders:
-            for r, (copied, named, weights) in enumerate(cluster.run(_r_beside_torch, kind, order, apart)):
+        assert all(named == [] and not any(serial) for _, named, serial, _ in reference)
+        for order in ("torch_first", "ours_first", "ours_late"):
+            for r, (copied, named, serial, weights) in enumerate(cluster.run(_r_beside_torch, kind, order, apart)):
                 assert copied == (order == "torch_first"), (order, apart, r)
-                assert all(map(torch.equal, weights, reference[r][2])), (order, apart, r)  # the head on its own group
-                assert all(map(torch.equal, weights, reference[0][2])), (order, apart, r)  # replicas alike
+                assert all(map(torch.equal, weights, reference[r][3])), (order, apart, r)  # the head on its own group
+                assert all(map(torch.equal, weights, reference[0][3])), (order, apart, r)  # replicas alike
                 if order == "torch_first":
-                    assert named == [], (order, apart, r, named)
-                else:  # named once, at the first round, on every rank
+                    assert named == [] and serial == [False] * len(serial), (order, apart, r, named, serial)
+                else:  # named once, at the round after it was made, on every rank; waits until it is dropped
                     assert len(named) == 1 and f"a torch {name} made after" in named[0], (order, apart, r, named)
-        assert all(named == [] for _, named, _ in reference)
+                    assert "waits for each bucket's communication" in named[0], named[0]
+                    assert serial == ([True, False] if kind == "ddp" else [True]), (order, apart, r, serial)
 
 
 class _MyDDP(torch.nn.parallel.DistributedDataParallel):
