@@ -206,8 +206,8 @@ class DistributedModel(Scheduler, RoundAgreement, StepHooks, Services, Admission
             runtime.tune_cpu_allocator()  # reuse gradient-sized blocks instead of page-faulting them each step
         self.buckets = [Bucket(i, ps) for i, ps in enumerate(plan_model_buckets(module, self.bucket_size_mb))]
         self._nonfinite_flags = defer_nonfinite_checks(self.buckets)  # None: the hooks' checks answer at once
-        self._local_flag = None if self._nonfinite_flags is None else self._nonfinite_flags.new_zeros(1)
-        self._local_unread = []
+        self._local_flag = step_hooks.local_flag(self._nonfinite_flags)  # None: the local checks answer at once
+        self._local_unread, self._local_pending = [], []
         self._verdict = None if self._nonfinite_flags is None else DeviceVerdict(self.buckets, self._nonfinite_flags)
         self._index = {p: i for i, p in enumerate(self.params)}
         self._used_words = max(1, -(-len(self.params) // agreement.BITS))

@@ -79,9 +79,12 @@ class Scheduler:
             # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
             if p.grad is None:
                 return
-            if self._local_flag is not None:  # the answer stays on the device, read once at the step
-                _C.scale_flagged_(p.grad, p.grad, 1.0, self._local_flag)  # the same tensor, scale 1: a check only
-                self._local_unread.append(p)  # hook order, to name the first bad parameter as the CPU does
+            if self._local_stepped:  # (once a backward: a module's attribute costs a us to set)
+                self._local_stepped = False
+            if self._local_flag is not None:  # checked on the device at the end of backward, in one pass
+                if not self._local_pending:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._check_local)
+                self._local_pending.append(p)  # hook order, to name the first bad parameter as the CPU does
             elif self._local_bad is None and not _C.all_finite(p.grad):
                 self._local_bad = p
             return

@@ -183,6 +183,8 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
                 f"(unused: call model.set_reduce_scatter_unused_params(True), as DDP's find_unused_parameters), or a "
                 f"MixedPrecisionPolicy set after ShardedModel was built reduces in another dtype")
         if not self.algorithm.sync_gradients():
+            if self._local_stepped:
+                self._local_stepped = False
             if self._local_flag is not None:  # the answer stays on the device, read once at the step
                 _C.scale_flagged_(out, out, 1.0, self._local_flag)  # the same tensor, scale 1: a check only
                 self._local_unread.extend(unit.params)  # hook order, to name the first bad one as at once

@@ -65,6 +65,13 @@ def check_steps_only(module, optimizer, who: str) -> None:
                     f"its own if it is meant to differ across ranks")
 
 
+def local_flag(flags):
+    """The one-element flag a DistributedModel's local checks set on the device (``flags``: the buckets'
+    deferred checks, or None: the checks answer at once, and so do these). float32: the check at the end of
+    each backward ORs into it as torch's loss scaler does into its ``found_inf``."""
+    return None if flags is None else flags.new_zeros(1, dtype=torch.float32)
+
+
 def forget(model) -> None:
     _LIVE.discard(model)
 
@@ -104,11 +111,34 @@ class StepHooks:
     #: how many param groups the optimizer had when check_steps_only last passed
     _groups_checked = None
     _local_unread = ()
+    #: gradients that stay local, handed over since the last check (DistributedModel's hooks; see _check_local)
+    _local_pending = ()
+    _local_one = None
+    #: optimizer.step() was reached since the last backward of gradients that stay local (see _settle_skipped_step)
+    _local_stepped = True
     #: where checks stay on the device: the verdict read off a round's result (bagua_lite.verdict), else None
     _verdict = None
 
+    def _check_local(self):
+        """The deferred checks of the gradients that stay local (``_local_pending``), at the end of each backward
+        (before a loss scaler or the loop can touch them): one multi-tensor pass over them all, as a loss
+        scaler's ``unscale_`` (scale 1), ORed into ``_local_flag`` on the device. A kernel or so per backward
+        on a GPU, not one per parameter."""
+        if not self._local_pending:
+            return
+        pending, self._local_pending = self._local_pending, []
+        self._local_unread.extend(pending)
+        by_dtype = {}  # one list per dtype, as the scaler groups them (torch's fast path takes one dtype)
+        for g in {id(p): p.grad for p in pending if p.grad is not None}.values():  # (accumulated: once each)
+            by_dtype.setdefault(g.dtype, []).append(g)
+        if by_dtype and self._local_one is None:
+            self._local_one = torch.ones_like(self._local_flag)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._local_flag, self._local_one)
+
     def _read_local_flag(self):
         """The deferred local checks, read once: on inf/NaN, the first parameter in hook order that holds it."""
+        self._check_local()
         if not self._local_unread:
             return
         checked, self._local_unread = self._local_unread, []
@@ -190,11 +220,13 @@ class StepHooks:
                 calls.append(1)
                 return loss
             kwargs = dict(kwargs, closure=evaluated)
+        self._local_stepped = True  # (after the closure's backward) the local gradients have their step
         if self._elastic is not None and self._elastic.pending is not None:
             raise self._elastic.take_pending()  # the step in flight was discarded on every survivor
         self._failfast.raise_if_failed("nothing is applied: restart from the last checkpoint")
         if self._nonfinite_error is not None and not scaler_set_found_inf(optimizer, self._verdict):
             raise FloatingPointError(self._nonfinite_error)  # (a GradScaler's found_inf skips on the device)
+        self._check_local()  # (made at the end of each backward: nothing is left to check here)
         if self._local_unread and self._verdict is not None and self._verdict.hand_over_local(
                 optimizer, self.grad_scaler, self._local_flag, self.algorithm.step):
             self._local_unread = []  # left to the scaler's check, or to a fused optimizer's found_inf
@@ -222,12 +254,16 @@ class StepHooks:
     def _settle_skipped_step(self):
         """A local non-finite gradient's step was skipped (by a loss scaler, or ``optimizer.step()`` raised):
         it still counts, as a step that moved nothing, so this rank's schedule (exchanges, periodic
-        averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint."""
+        averages) stays paired with its peers'. Runs at the next training forward, or before a checkpoint. Not
+        while micro-batches accumulate toward a step still ahead (no ``optimizer.step()`` since their backward,
+        and the bad gradient still held): that step refuses it. A scaler's skip, or the loop's, let it go."""
         self._raise_skipped_on_device()
         self._read_local_flag()
-        if self._local_bad is not None:
-            self._local_bad = None
-            self._after_step()
+        bad = self._local_bad
+        if bad is None or (not self._local_stepped and bad.grad is not None and not _C.all_finite(_local(bad.grad))):
+            return
+        self._local_bad, self._local_stepped = None, True
+        self._after_step()
 
     def _result_error(self, step, local=False, late=False):
         if local:

@@ -186,7 +186,7 @@ class DeviceVerdict:
 
     def hand_over_local(self, optimizer, scaler, flag, step: int) -> bool:
         """At ``optimizer.step()`` after a local round (gradients that stay on this rank, checked into the
-        one-int ``flag`` on the device; only this rank skips a bad one): whether it is handled without a read.
+        one-element ``flag`` on the device; only this rank skips a bad one): whether it is handled without a read.
         The scaler that checked ``.grad`` covers it; a fused optimizer takes the flag as ``found_inf`` (skipped
         on the device, the error a step late). The flag is cleared on the device for the next round."""
         if scaler_set_found_inf(optimizer, self) or scaler_checked(scaler, optimizer):

@@ -471,6 +471,48 @@ def test_local_nonfinite_gradient_skips_on_its_rank_alike_deferred_or_at_once(c4
     assert "first in parameter" in at_once[1][0][BAD], at_once[1][0][BAD]
 
 
+
+def _r_local_accumulated(rank, world, deferred, bad_micro):
+    """diloco, two micro-batches a step accumulated without set_requires_gradient_sync(False); at step BAD
+    rank 1's micro-batch ``bad_micro`` holds a NaN. Returns the step count each forward found, the errors
+    and the weights after every step."""
+    with _deferred_checks(deferred):
+        net, opt, relaxed = _model(2, 2, DILOCO)
+    errors, history, seen = [], [], []
+    batches = _batches(rank, 2 * STEPS)
+    for step in range(STEPS):
+        for micro in range(2):
+            x, y = batches[2 * step + micro]
+            if step == BAD and rank == 1 and micro == bad_micro:
+                x = x.clone()
+                x[0, 0] = float("nan")
+            loss = _loss(net, x, y)
+            seen.append(relaxed.algorithm.step)
+            loss.backward()
+        try:
+            opt.step()
+            errors.append(None)
+        except FloatingPointError as e:
+            errors.append(str(e))
+        opt.zero_grad()
+        history.append(_full(net))
+    relaxed.close()
+    return seen, errors, history
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["at_once", "deferred"])
+def test_a_nonfinite_micro_batch_accumulated_is_refused_at_its_step_and_counted_once(c4, deferred):
+    """As tests/test_nonfinite.py's test of the same name for DistributedModel: an early micro-batch's NaN is
+    refused at the step and counted once, bit for bit as when the last micro-batch holds it (before, the next
+    forward counted a step for it, and the replica ran a step ahead)."""
+    first, last = c4.run(_r_local_accumulated, deferred, 0), c4.run(_r_local_accumulated, deferred, 1)
+    for rank in range(4):
+        assert first[rank][0] == last[rank][0] == [s for s in range(STEPS) for _ in range(2)], (rank, first[rank][0])
+        assert [e is not None for e in first[rank][1]] == [rank < 2 and s == BAD for s in range(STEPS)], rank
+        assert first[rank][1] == last[rank][1], rank
+        for step in range(STEPS):
+            assert _equal(first[rank][2][step], last[rank][2][step]), (rank, step)
+
 SIGN = {"name": "gradient_allreduce", "compression": "sign"}
 DENSE = {"name": "gradient_allreduce"}
 # (fused optimizer, GradScaler): what refuses a bad round on the device, so that its verdict can stay there

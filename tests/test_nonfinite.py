@@ -356,15 +356,27 @@ def test_nonfinite_local_gradient_checked_on_the_device(clusters, scaler_on):
 def _r_local_reads(rank, P):
     """Six steps of each relaxation that keeps gradients local, with the checks left on the device,
     counting the host's reads of their answers (``bucket.host_read``) and where they are made."""
-    from bagua_lite import step_hooks
+    from bagua_lite import _C, step_hooks
     read, trainer = step_hooks.host_read, threading.get_ident()
+    check, per_tensor = torch._amp_foreach_non_finite_check_and_unscale_, _C.scale_flagged_
     counts = {}
 
     def counted(t):
         where = "training thread" if threading.get_ident() == trainer else "other thread"
         counts[where] = counts.get(where, 0) + 1
         return read(t)
+
+    def counted_check(grads, found, scale):
+        counts["checks"] = counts.get("checks", 0) + 1
+        counts["tensors checked"] = counts.get("tensors checked", 0) + len(grads)
+        return check(grads, found, scale)
+
+    def counted_per_tensor(*args):
+        counts["per-tensor checks"] = counts.get("per-tensor checks", 0) + 1
+        return per_tensor(*args)
     step_hooks.host_read = counted
+    torch._amp_foreach_non_finite_check_and_unscale_ = counted_check
+    _C.scale_flagged_ = counted_per_tensor
     os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
     cases = dict(LOCAL_CASES, diloco=("diloco", {"period": 2}))
     try:
@@ -383,9 +395,10 @@ def _r_local_reads(rank, P):
             model.close()
             if name == "async_model_average":
                 model.algorithm.average_now()  # collective: every rank must get here, in step
-        return out
+        return out, len(list(_net().parameters()))
     finally:
         step_hooks.host_read = read
+        torch._amp_foreach_non_finite_check_and_unscale_, _C.scale_flagged_ = check, per_tensor
         del os.environ["BAGUA_LITE_DEFER_CHECKS"]
 
 
@@ -393,10 +406,84 @@ def test_local_checks_left_on_the_device_are_read_once_per_step(clusters):
     """Where gradients stay local (decentralized, local SGD, DiLoCo, async), the checks' one flag is read
     once per step, at optimizer.step(), on the training thread: the refusal must come before the optimizer
     applies (on a GPU, one host synchronisation per local step; a synchronous round's flags are read on
-    the engine's thread instead: test_the_agreement_travels_with_the_last_bucket)."""
-    for r, out in enumerate(clusters.get(2).run(_r_local_reads, timeout=240)):
+    the engine's thread instead: test_the_agreement_travels_with_the_last_bucket). The check itself is one
+    multi-tensor pass over every gradient at the end of each backward (one dtype here), not a kernel per
+    parameter: on a GPU a launch or so per local step instead of one per parameter."""
+    for r, (out, n_params) in enumerate(clusters.get(2).run(_r_local_reads, timeout=240)):
         for label, counts in out.items():
-            assert counts == {"training thread": 6}, (label, r, counts)
+            assert counts == {"training thread": 6, "checks": 6, "tensors checked": 6 * n_params}, (label, r, counts)
+
+
+
+ACCUMULATED = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {"period": 2}),
+               "decentralized": ("decentralized", {"peer_selection": "ring"})}
+
+
+def _r_accumulated(rank, P, bad_micro, scaler_on, deferred):
+    """Two micro-batches a step, accumulated in ``.grad`` without no_sync() (where gradients stay local
+    nothing is held back by it); at BAD_STEP rank BAD_RANK's micro-batch ``bad_micro`` gives inf/NaN.
+    Records the step count each forward finds, the errors, the scales and the weights after each step."""
+    if deferred:
+        os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
+    try:
+        out = {}
+        for label, (name, options) in ACCUMULATED.items():
+            net = _net()
+            opt = _optimizer("sgd", net)
+            model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
+            assert (model._local_flag is not None) == deferred
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
+            rec = {"weights": [], "errors": [], "seen": [], "scale": []}
+            for s in range(LOCAL_STEPS):
+                for micro in range(2):
+                    x, y = _batch(rank, 2 * s + micro)
+                    loss = F.cross_entropy(model(x), y)
+                    rec["seen"].append(model.algorithm.step)
+                    if s == BAD_STEP and rank == BAD_RANK and micro == bad_micro:
+                        loss = loss * float("inf")
+                    (scaler.scale(loss) if scaler else loss).backward()
+                try:
+                    if scaler:
+                        scaler.step(opt)
+                        scaler.update()
+                        rec["scale"].append(float(scaler.get_scale()))
+                    else:
+                        opt.step()
+                except FloatingPointError as e:
+                    rec["errors"].append((s, str(e)))
+                opt.zero_grad()
+                rec["weights"].append(_weights(net))
+            rec["step"] = model.algorithm_state_dict()["step"]
+            model.close()
+            out[label] = rec
+        return out
+    finally:
+        os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
+
+
+@pytest.mark.parametrize("mode", ["at_once", "deferred", "grad_scaler"])
+def test_a_nonfinite_micro_batch_accumulated_without_no_sync_is_refused_at_its_step(clusters, mode):
+    """A non-finite gradient in an early micro-batch, under a relaxation that keeps gradients local: the
+    next micro-batch's forward took it for a skipped step and counted one, then the step refused it and it
+    counted again: the bad rank ran a step ahead of its peers' schedule (their averages and exchanges paired
+    with the wrong steps; at the end its peers waited on a step it never ran). Now it is refused at its step
+    (or skipped there by the scaler) and counted once, exactly as when the last micro-batch holds it: bit for
+    bit the same weights, errors and scales, on every rank (P = 3)."""
+    scaler_on, deferred = mode == "grad_scaler", mode == "deferred"
+    first = clusters.get(3).run(_r_accumulated, 0, scaler_on, deferred, timeout=240)
+    last = clusters.get(3).run(_r_accumulated, 1, scaler_on, deferred, timeout=240)
+    for label in ACCUMULATED:
+        for r in range(3):
+            a, b = first[r][label], last[r][label]
+            assert a["seen"] == b["seen"] == [s for s in range(LOCAL_STEPS) for _ in range(2)], (label, r, a["seen"])
+            assert a["step"] == b["step"] == LOCAL_STEPS, (label, r)
+            refused = [BAD_STEP] if r == BAD_RANK and not scaler_on else []
+            assert [e[0] for e in a["errors"]] == refused and a["errors"] == b["errors"], (label, r, a["errors"])
+            assert a["scale"] == b["scale"], (label, r)
+            assert all(torch.equal(u, v) for u, v in zip(a["weights"], b["weights"])), (label, r)
+            assert all(torch.isfinite(w).all() for w in a["weights"]), (label, r)
+            if r == BAD_RANK:
+                assert torch.equal(a["weights"][BAD_STEP], a["weights"][BAD_STEP - 1]), (label, r)
 
 
 class _Branchy(torch.nn.Module):
