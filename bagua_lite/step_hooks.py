@@ -260,7 +260,13 @@ class StepHooks:
         self._raise_skipped_on_device()
         self._read_local_flag()
         bad = self._local_bad
-        if bad is None or (not self._local_stepped and bad.grad is not None and not _C.all_finite(_local(bad.grad))):
+        if bad is None:
+            return
+        if not self._local_stepped and bad.grad is not None and not _C.all_finite(_local(bad.grad)):
+            if self._local_flag is not None:  # back on the device, for the step to hand over as it would have
+                self._local_flag.fill_(1)
+                self._local_unread.append(bad)
+                self._local_bad = None
             return
         self._local_bad, self._local_stepped = None, True
         self._after_step()
