@@ -446,15 +446,20 @@ def _r_local_nonfinite(rank, world, deferred):
             x = x.clone()
             x[0, 0] = float("nan")
         _loss(net, x, y).backward()
-        try:
-            opt.step()
-            errors.append(None)
-        except FloatingPointError as e:
-            errors.append(str(e))
-        opt.zero_grad()
-        history.append(_full(net))
+        _step_recorded(net, opt, errors, history)
     relaxed.close()
     return errors, history
+
+
+def _step_recorded(net, opt, errors, history):
+    """``opt.step()``, its FloatingPointError's message (or None) into ``errors``, then the weights."""
+    try:
+        opt.step()
+        errors.append(None)
+    except FloatingPointError as e:
+        errors.append(str(e))
+    opt.zero_grad()
+    history.append(_full(net))
 
 
 def test_local_nonfinite_gradient_skips_on_its_rank_alike_deferred_or_at_once(c4):
@@ -489,13 +494,7 @@ def _r_local_accumulated(rank, world, deferred, bad_micro):
             loss = _loss(net, x, y)
             seen.append(relaxed.algorithm.step)
             loss.backward()
-        try:
-            opt.step()
-            errors.append(None)
-        except FloatingPointError as e:
-            errors.append(str(e))
-        opt.zero_grad()
-        history.append(_full(net))
+        _step_recorded(net, opt, errors, history)
     relaxed.close()
     return seen, errors, history
 
