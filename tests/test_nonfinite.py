@@ -471,7 +471,7 @@ def test_a_nonfinite_micro_batch_accumulated_without_no_sync_is_refused_at_its_s
     """A non-finite gradient in an early micro-batch, under a relaxation that keeps gradients local: the
     next micro-batch's forward took it for a skipped step and counted one, then the step refused it and it
     counted again: the bad rank ran a step ahead of its peers' schedule (their averages and exchanges paired
-    with the wrong steps; at the end its peers waited on a step it never ran). Now it is refused at its step
+    with the wrong steps; at the end it waited in a step its peers never ran). Now it is refused at its step
     (or skipped there by the scaler) and counted once, exactly as when the last micro-batch holds it: bit for
     bit the same weights, errors and scales, on every rank (P = 3). A fused optimizer with the checks on the
     device skips it there, the error coming at the next forward."""
