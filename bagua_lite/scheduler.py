@@ -76,7 +76,8 @@ class Scheduler:
                 self.buckets[bi].touched = True
             return
         if not self.algorithm.sync_gradients():
-            # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot.
+            # The gradient stays on this rank (decentralized, local SGD, async): check it while it is hot, or
+            # where checks stay on the device, with the others at the end of backward (_check_local).
             if p.grad is None:
                 return
             if self._local_stepped:  # (once a backward: a module's attribute costs a us to set)
