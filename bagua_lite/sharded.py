@@ -188,6 +188,9 @@ class ShardedModel(StepHooks, Services, RoundAgreement):
             if self._local_flag is not None:  # the answer stays on the device, read once at the step
                 _C.scale_flagged_(out, out, 1.0, self._local_flag)  # the same tensor, scale 1: a check only
                 self._local_unread.extend(unit.params)  # hook order, to name the first bad one as at once
+                if not self._note_queued:
+                    self._note_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._note_held)
             elif self._local_bad is None and not _C.all_finite(out):  # stays local: this rank skips the step
                 name = unit.first_nonfinite(out)
                 self._local_bad = unit.params[unit.names.index(name) if name in unit.names else 0]

@@ -81,6 +81,18 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _versions(grads):
+    """Each gradient's version counter; a DTensor's, with its shard's (in place on the DTensor, a zero_grad,
+    moves the first only; FSDP2's accumulation into the shard, the second only)."""
+    plain = torch.Tensor
+    return [None if g is None else g._version if type(g) is plain else _dtensor_version(g) for g in grads]
+
+
+def _dtensor_version(g):
+    with torch.no_grad():  # (to_local() is then the shard itself, not a view made through autograd)
+        return g._version, g.to_local()._version
+
+
 def take_closure(optimizer, args, kwargs):
     """(closure or None, args, kwargs without it) of an ``optimizer.step(...)`` call; ``args[0]`` is the
     optimizer itself (as torch hands them to a step pre-hook)."""
@@ -111,6 +123,10 @@ class StepHooks:
     #: how many param groups the optimizer had when check_steps_only last passed
     _groups_checked = None
     _local_unread = ()
+    #: the ``_local_unread`` list as a backward left it, with its gradients and their version counters (_note_held)
+    _local_held = None
+    #: ShardedModel: a backward's _note_held is queued (its hook sees the shards before FSDP2 sets ``.grad``)
+    _note_queued = False
     #: gradients that stay local, handed over since the last check (DistributedModel's hooks; see _check_local)
     _local_pending = ()
     _local_one = None
@@ -135,13 +151,35 @@ class StepHooks:
             self._local_one = torch.ones_like(self._local_flag)
         for grads in by_dtype.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self._local_flag, self._local_one)
+        self._note_held()
+
+    def _note_held(self):
+        """At the end of a backward whose local checks stay on the device: the gradients they checked since
+        the last read (each parameter once, in hook order), and their version counters, so that the next
+        forward can tell micro-batches accumulating toward a step (``.grad`` as the backward left it) from a
+        skipped step (``zero_grad()`` moved it) without reading the flag (_held_unchanged)."""
+        self._note_queued = False
+        unread = self._local_unread
+        if self._local_held is not None:  # a backward before this one is unread too: each parameter once
+            unread = self._local_unread = list({id(p): p for p in unread}.values())
+        grads = [p.grad for p in unread]
+        self._local_held = unread, grads, _versions(grads)
+
+    def _held_unchanged(self) -> bool:
+        """No optimizer.step() since the last local backward, whose checks are unread, and every gradient it
+        left is still there, unchanged: another micro-batch toward the step ahead, which reads the checks."""
+        if self._local_stepped or self._local_pending or self._local_held is None:
+            return False
+        unread, grads, versions = self._local_held
+        return unread is self._local_unread and len(unread) == len(grads) and all(
+            p.grad is g for p, g in zip(unread, grads)) and versions == _versions(grads)
 
     def _read_local_flag(self):
         """The deferred local checks, read once: on inf/NaN, the first parameter in hook order that holds it."""
         self._check_local()
         if not self._local_unread:
             return
-        checked, self._local_unread = self._local_unread, []
+        checked, self._local_unread, self._local_held = self._local_unread, [], None
         if host_read(self._local_flag)[0]:
             self._local_flag.zero_()
             if self._local_bad is None:
@@ -229,7 +267,7 @@ class StepHooks:
         self._check_local()  # (made at the end of each backward: nothing is left to check here)
         if self._local_unread and self._verdict is not None and self._verdict.hand_over_local(
                 optimizer, self.grad_scaler, self._local_flag, self.algorithm.step):
-            self._local_unread = []  # left to the scaler's check, or to a fused optimizer's found_inf
+            self._local_unread, self._local_held = [], None  # left to the scaler's check, or a fused found_inf
         self._read_local_flag()
         if self._local_bad is not None and not scaler_set_found_inf(optimizer, self._verdict):
             name = next((n for n, q in self.module.named_parameters() if q is self._local_bad), "?")
@@ -258,6 +296,8 @@ class StepHooks:
         while micro-batches accumulate toward a step still ahead (no ``optimizer.step()`` since their backward,
         and the bad gradient still held): that step refuses it. A scaler's skip, or the loop's, let it go."""
         self._raise_skipped_on_device()
+        if self._held_unchanged():  # accumulating: whatever the flag says, it waits for that step (no read)
+            return
         self._read_local_flag()
         bad = self._local_bad
         if bad is None:

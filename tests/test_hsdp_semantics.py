@@ -477,40 +477,71 @@ def test_local_nonfinite_gradient_skips_on_its_rank_alike_deferred_or_at_once(c4
 
 
 
-def _r_local_accumulated(rank, world, deferred, bad_micro):
+def _r_local_accumulated(rank, world, deferred, bad_micro, skip=None):
     """diloco, two micro-batches a step accumulated without set_requires_gradient_sync(False); at step BAD
-    rank 1's micro-batch ``bad_micro`` holds a NaN. Returns the step count each forward found, the errors
-    and the weights after every step."""
-    with _deferred_checks(deferred):
-        net, opt, relaxed = _model(2, 2, DILOCO)
-    errors, history, seen = [], [], []
-    batches = _batches(rank, 2 * STEPS)
-    for step in range(STEPS):
-        for micro in range(2):
-            x, y = batches[2 * step + micro]
-            if step == BAD and rank == 1 and micro == bad_micro:
-                x = x.clone()
-                x[0, 0] = float("nan")
-            loss = _loss(net, x, y)
-            seen.append(relaxed.algorithm.step)
-            loss.backward()
-        _step_recorded(net, opt, errors, history)
-    relaxed.close()
-    return seen, errors, history
+    rank 1's micro-batch ``bad_micro`` holds a NaN. With ``skip`` ("to_none" or "in_place"), rank 1's loop
+    skips that step itself (no optimizer.step(), then zero_grad with set_to_none=True or False). Returns the
+    step count each forward found, the errors, the weights after every step and the host's reads of the
+    checks left on the device."""
+    from bagua_lite import sharded, step_hooks
+    reads, read = [], step_hooks.host_read
+    sharded.host_read = step_hooks.host_read = lambda t: reads.append(1) or read(t)
+    try:
+        with _deferred_checks(deferred):
+            net, opt, relaxed = _model(2, 2, DILOCO)
+        errors, history, seen = [], [], []
+        batches = _batches(rank, 2 * STEPS)
+        for step in range(STEPS):
+            for micro in range(2):
+                x, y = batches[2 * step + micro]
+                if step == BAD and rank == 1 and micro == bad_micro:
+                    x = x.clone()
+                    x[0, 0] = float("nan")
+                loss = _loss(net, x, y)
+                seen.append(relaxed.algorithm.step)
+                loss.backward()
+            if skip and step == BAD and rank == 1:
+                errors.append("skipped")
+                opt.zero_grad(set_to_none=skip == "to_none")  # (in place on DTensors: their own versions move)
+                history.append(_full(net))
+                continue
+            _step_recorded(net, opt, errors, history)
+        relaxed.close()
+        return seen, errors, history, len(reads)
+    finally:
+        sharded.host_read = step_hooks.host_read = read
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["at_once", "deferred"])
 def test_a_nonfinite_micro_batch_accumulated_is_refused_at_its_step_and_counted_once(c4, deferred):
     """As tests/test_nonfinite.py's test of the same name for DistributedModel: an early micro-batch's NaN is
     refused at the step and counted once, bit for bit as when the last micro-batch holds it (before, the next
-    forward counted a step for it, and the replica ran a step ahead)."""
+    forward counted a step for it, and the replica ran a step ahead). With the checks on the device, the
+    micro-batches' forwards read nothing: each step reads its checks once."""
     first, last = c4.run(_r_local_accumulated, deferred, 0), c4.run(_r_local_accumulated, deferred, 1)
     for rank in range(4):
+        assert first[rank][3] == last[rank][3] == (STEPS if deferred else 0), (rank, first[rank][3], last[rank][3])
         assert first[rank][0] == last[rank][0] == [s for s in range(STEPS) for _ in range(2)], (rank, first[rank][0])
         assert [e is not None for e in first[rank][1]] == [rank < 2 and s == BAD for s in range(STEPS)], rank
         assert first[rank][1] == last[rank][1], rank
         for step in range(STEPS):
             assert _equal(first[rank][2][step], last[rank][2][step]), (rank, step)
+
+@pytest.mark.parametrize("skip", ["to_none", "in_place"])
+def test_a_step_the_loop_skips_counts_alike_with_the_checks_on_the_device(c4, skip):
+    """As tests/test_nonfinite.py's test of the same name: rank 1's loop skips the step of its bad micro-batch
+    (its replica peer, rank 0, steps and is refused); the skipped step counts at the next forward, told from
+    one more micro-batch by the DTensor gradients' versions: bit for bit the checks that answer at once."""
+    deferred, at_once = c4.run(_r_local_accumulated, True, 1, skip), c4.run(_r_local_accumulated, False, 1, skip)
+    for rank in range(4):
+        a, b = deferred[rank], at_once[rank]
+        assert a[0] == b[0] == [s for s in range(STEPS) for _ in range(2)], (rank, a[0])
+        assert a[1] == b[1] and [e for e in a[1] if e] == (["skipped"] if rank == 1 else [a[1][BAD]] if rank == 0
+                                                            else []), (rank, a[1])
+        for step in range(STEPS):
+            assert _equal(a[2][step], b[2][step]), (rank, step)
+        assert a[3] == STEPS, (rank, a[3])
+
 
 SIGN = {"name": "gradient_allreduce", "compression": "sign"}
 DENSE = {"name": "gradient_allreduce"}

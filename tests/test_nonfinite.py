@@ -6,6 +6,7 @@ rank), error-feedback residuals / momenta / PowerSGD's Q stay as they were, and 
 ``optimizer.step()`` raises the same error on every rank, naming the bad rank. Checked against the state
 before the step, bit for bit, at odd and even P.
 """
+import contextlib
 import hashlib
 import os
 import threading
@@ -353,9 +354,10 @@ def test_nonfinite_local_gradient_checked_on_the_device(clusters, scaler_on):
                 assert got["opt"] == want["opt"], (label, r)
 
 
-def _r_local_reads(rank, P):
+def _r_local_reads(rank, P, micro_batches=1, no_sync=False):
     """Six steps of each relaxation that keeps gradients local, with the checks left on the device,
-    counting the host's reads of their answers (``bucket.host_read``) and where they are made."""
+    counting the host's reads of their answers (``bucket.host_read``) and where they are made. Each step
+    accumulates ``micro_batches`` backwards in ``.grad``, all but the last under no_sync() if ``no_sync``."""
     from bagua_lite import _C, step_hooks
     read, trainer = step_hooks.host_read, threading.get_ident()
     check, per_tensor = torch._amp_foreach_non_finite_check_and_unscale_, _C.scale_flagged_
@@ -387,8 +389,10 @@ def _r_local_reads(rank, P):
             model = bagua_lite.DistributedModel(net, opt, build(name, **options), bucket_size_mb=0.002)
             counts.clear()
             for s in range(6):
-                x, y = _batch(rank, s)
-                F.cross_entropy(model(x), y).backward()
+                for m in range(micro_batches):
+                    x, y = _batch(rank, s * micro_batches + m)
+                    with model.no_sync() if no_sync and m < micro_batches - 1 else contextlib.nullcontext():
+                        F.cross_entropy(model(x), y).backward()
                 opt.step()
                 opt.zero_grad()
             out[label] = dict(counts)
@@ -402,16 +406,22 @@ def _r_local_reads(rank, P):
         del os.environ["BAGUA_LITE_DEFER_CHECKS"]
 
 
-def test_local_checks_left_on_the_device_are_read_once_per_step(clusters):
+@pytest.mark.parametrize("micro_batches,no_sync", [(1, False), (3, False), (3, True)],
+                         ids=["one_backward", "accumulated", "accumulated_no_sync"])
+def test_local_checks_left_on_the_device_are_read_once_per_step(clusters, micro_batches, no_sync):
     """Where gradients stay local (decentralized, local SGD, DiLoCo, async), the checks' one flag is read
     once per step, at optimizer.step(), on the training thread: the refusal must come before the optimizer
     applies (on a GPU, one host synchronisation per local step; a synchronous round's flags are read on
     the engine's thread instead: test_the_agreement_travels_with_the_last_bucket). The check itself is one
     multi-tensor pass over every gradient at the end of each backward (one dtype here), not a kernel per
-    parameter: on a GPU a launch or so per local step instead of one per parameter."""
-    for r, (out, n_params) in enumerate(clusters.get(2).run(_r_local_reads, timeout=240)):
+    parameter: on a GPU a launch or so per local step instead of one per parameter. Micro-batches
+    accumulated without no_sync() are checked at each backward, and their forwards read nothing (.grad is
+    as the last backward left it: the step ahead reads them all); under no_sync() they are checked once."""
+    backwards = 6 * (1 if no_sync else micro_batches)
+    for r, (out, n_params) in enumerate(clusters.get(2).run(_r_local_reads, micro_batches, no_sync, timeout=240)):
         for label, counts in out.items():
-            assert counts == {"training thread": 6, "checks": 6, "tensors checked": 6 * n_params}, (label, r, counts)
+            assert counts == {"training thread": 6, "checks": backwards, "tensors checked": backwards * n_params}, \
+                (label, r, counts)
 
 
 
@@ -419,9 +429,11 @@ ACCUMULATED = {"local_sgd": ("local_sgd", {"period": 2}), "diloco": ("diloco", {
                "decentralized": ("decentralized", {"peer_selection": "ring"})}
 
 
-def _r_accumulated(rank, P, bad_micro, scaler_on, deferred, fused=False):
+def _r_accumulated(rank, P, bad_micro, scaler_on, deferred, fused=False, skip=None):
     """Two micro-batches a step, accumulated in ``.grad`` without no_sync() (where gradients stay local
     nothing is held back by it); at BAD_STEP rank BAD_RANK's micro-batch ``bad_micro`` gives inf/NaN.
+    With ``skip`` ("to_none" or "in_place"), the bad rank's loop skips that step itself (no
+    optimizer.step(), then zero_grad with set_to_none=True or False), as a loop that checks its loss does.
     Records the step count each forward finds, the errors, the scales and the weights after each step."""
     if deferred:
         os.environ["BAGUA_LITE_DEFER_CHECKS"] = "1"
@@ -447,6 +459,11 @@ def _r_accumulated(rank, P, bad_micro, scaler_on, deferred, fused=False):
                     if s == BAD_STEP and rank == BAD_RANK and micro == bad_micro:
                         loss = loss * float("inf")
                     (scaler.scale(loss) if scaler else loss).backward()
+                if skip and s == BAD_STEP and rank == BAD_RANK:
+                    rec["errors"].append(("skipped", s))
+                    opt.zero_grad(set_to_none=skip == "to_none")
+                    rec["weights"].append(_weights(net))
+                    continue
                 try:
                     if scaler:
                         scaler.step(opt)
@@ -466,7 +483,7 @@ def _r_accumulated(rank, P, bad_micro, scaler_on, deferred, fused=False):
         os.environ.pop("BAGUA_LITE_DEFER_CHECKS", None)
 
 
-@pytest.mark.parametrize("mode", ["at_once", "deferred", "grad_scaler", "deferred_fused"])
+@pytest.mark.parametrize("mode", ["at_once", "deferred", "grad_scaler", "deferred_fused", "deferred_grad_scaler"])
 def test_a_nonfinite_micro_batch_accumulated_without_no_sync_is_refused_at_its_step(clusters, mode):
     """A non-finite gradient in an early micro-batch, under a relaxation that keeps gradients local: the
     next micro-batch's forward took it for a skipped step and counted one, then the step refused it and it
@@ -475,7 +492,7 @@ def test_a_nonfinite_micro_batch_accumulated_without_no_sync_is_refused_at_its_s
     (or skipped there by the scaler) and counted once, exactly as when the last micro-batch holds it: bit for
     bit the same weights, errors and scales, on every rank (P = 3). A fused optimizer with the checks on the
     device skips it there, the error coming at the next forward."""
-    scaler_on, deferred, fused = mode == "grad_scaler", mode.startswith("deferred"), mode.endswith("fused")
+    scaler_on, deferred, fused = mode.endswith("grad_scaler"), mode.startswith("deferred"), mode.endswith("fused")
     first = clusters.get(3).run(_r_accumulated, 0, scaler_on, deferred, fused, timeout=240)
     last = clusters.get(3).run(_r_accumulated, 1, scaler_on, deferred, fused, timeout=240)
     for label in ACCUMULATED:
@@ -490,6 +507,24 @@ def test_a_nonfinite_micro_batch_accumulated_without_no_sync_is_refused_at_its_s
             assert all(torch.isfinite(w).all() for w in a["weights"]), (label, r)
             if r == BAD_RANK and not fused:  # (fused: the skipped step's period-end average runs in that step)
                 assert torch.equal(a["weights"][BAD_STEP], a["weights"][BAD_STEP - 1]), (label, r)
+
+
+@pytest.mark.parametrize("skip", ["to_none", "in_place"])
+def test_a_step_the_loop_skips_counts_alike_with_the_checks_on_the_device(clusters, skip):
+    """The bad rank's loop skips the step of its non-finite micro-batch itself (no optimizer.step(), then
+    zero_grad): the skipped step counts at the next forward, which with the checks on the device is told
+    from one more micro-batch by the gradients' version counters (zero_grad in place moves them; set to
+    None, they are gone): the same step counts, errors and weights, bit for bit, as the checks that answer
+    at once, on every rank (P = 3)."""
+    deferred = clusters.get(3).run(_r_accumulated, 1, False, True, False, skip, timeout=240)
+    at_once = clusters.get(3).run(_r_accumulated, 1, False, False, False, skip, timeout=240)
+    for label in ACCUMULATED:
+        for r in range(3):
+            a, b = deferred[r][label], at_once[r][label]
+            assert a["seen"] == b["seen"] == [s for s in range(LOCAL_STEPS) for _ in range(2)], (label, r, a["seen"])
+            assert a["step"] == b["step"] == LOCAL_STEPS, (label, r)
+            assert a["errors"] == b["errors"] == ([("skipped", BAD_STEP)] if r == BAD_RANK else []), (label, r)
+            assert all(torch.equal(u, v) for u, v in zip(a["weights"], b["weights"])), (label, r)
 
 
 class _Branchy(torch.nn.Module):

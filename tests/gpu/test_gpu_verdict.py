@@ -28,8 +28,12 @@ ALGORITHMS = {"dense": ("gradient_allreduce", {}), "fp16": ("gradient_allreduce"
               "topk_mc": ("topk", {"density": 0.01}),
               # after its freeze (step 1): the frozen Adam update on the device, skipped with the fused Adam's
               "qadam": ("qadam", {"warmup_steps": 1}),
-              "local_sgd": ("local_sgd", {"period": 1000}), "diloco": ("diloco", {"period": 1000})}
-LOCAL = ("local_sgd", "diloco")  # gradients stay local: only the bad rank skips (no average in these steps)
+              "local_sgd": ("local_sgd", {"period": 1000}), "diloco": ("diloco", {"period": 1000}),
+              # two micro-batches a step accumulated without no_sync(), the bad one first: the second's forward
+              # finds .grad as the first backward left it, and leaves the checks to the step (no read)
+              "diloco_x2": ("diloco", {"period": 1000})}
+LOCAL = ("local_sgd", "diloco", "diloco_x2")  # gradients stay local: only the bad rank skips (no average here)
+MICRO_BATCHES = {"diloco_x2": 2}
 # host synchronisations a step makes under NCCL, where not 0 (P = 1: topk's exchange is its own pairs, gtopk's
 # rounds are tensor ops, momentum correction's refuse_changed leaves its answer in the fused SGD's found_inf)
 # (qadam under a GradScaler: refuse_changed's answer is read, as the scaler's found_inf cannot take it: the
@@ -59,17 +63,19 @@ def _case(dev, name):
     state = {"s": 0, "errors": [], "weights": {}, "scales": {}}
 
     def step(bad=False, keep=True):
-        g = torch.Generator().manual_seed(rank * 7919 + state["s"] * 31 + 5)
-        x = torch.randn(32, 64, generator=g).to(dev)
-        try:
-            with torch.autocast(dev.type, dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), x[:, :10].argmax(1))
-        except FloatingPointError as e:
-            state["errors"].append(("forward", state["s"], str(e)[:80]))
-            return
-        if bad:
-            loss = loss * float("inf")
-        (scaler.scale(loss) if scaler else loss).backward()
+        micro_batches = MICRO_BATCHES.get(codec, 1)
+        for m in range(micro_batches):
+            g = torch.Generator().manual_seed(rank * 7919 + (state["s"] * micro_batches + m) * 31 + 5)
+            x = torch.randn(32, 64, generator=g).to(dev)
+            try:
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    loss = F.cross_entropy(model(x), x[:, :10].argmax(1))
+            except FloatingPointError as e:
+                state["errors"].append(("forward", state["s"], str(e)[:80]))
+                return
+            if bad and m == 0:
+                loss = loss * float("inf")
+            (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.step(opt)
             scaler.update()
