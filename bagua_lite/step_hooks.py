@@ -143,26 +143,30 @@ class StepHooks:
         if not self._local_pending:
             return
         pending, self._local_pending = self._local_pending, []
+        fresh = not self._local_unread  # the first backward since the last read: pending is all that is unread
         self._local_unread.extend(pending)
+        grads = [p.grad for p in pending]  # (once each: a parameter's .grad costs a tenth of a us to get)
         by_dtype = {}  # one list per dtype, as the scaler groups them (torch's fast path takes one dtype)
-        for g in {id(p): p.grad for p in pending if p.grad is not None}.values():  # (accumulated: once each)
+        for g in {id(p): g for p, g in zip(pending, grads) if g is not None}.values():  # (accumulated: once each)
             by_dtype.setdefault(g.dtype, []).append(g)
         if by_dtype and self._local_one is None:
             self._local_one = torch.ones_like(self._local_flag)
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._local_flag, self._local_one)
-        self._note_held()
+        for same in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(same, self._local_flag, self._local_one)
+        self._note_held(grads if fresh else None)
 
-    def _note_held(self):
+    def _note_held(self, grads=None):
         """At the end of a backward whose local checks stay on the device: the gradients they checked since
         the last read (each parameter once, in hook order), and their version counters, so that the next
         forward can tell micro-batches accumulating toward a step (``.grad`` as the backward left it) from a
-        skipped step (``zero_grad()`` moved it) without reading the flag (_held_unchanged)."""
+        skipped step (``zero_grad()`` moved it) without reading the flag (_held_unchanged). ``grads``: those
+        of ``_local_unread``, where the caller has them."""
         self._note_queued = False
         unread = self._local_unread
-        if self._local_held is not None:  # a backward before this one is unread too: each parameter once
-            unread = self._local_unread = list({id(p): p for p in unread}.values())
-        grads = [p.grad for p in unread]
+        if grads is None:
+            if self._local_held is not None:  # a backward before this one is unread too: each parameter once
+                unread = self._local_unread = list({id(p): p for p in unread}.values())
+            grads = [p.grad for p in unread]
         self._local_held = unread, grads, _versions(grads)
 
     def _held_unchanged(self) -> bool:
