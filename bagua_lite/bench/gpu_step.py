@@ -183,7 +183,7 @@ def measure(row, dev, args, model_name="gpt"):
     out = {"model": model_name, "row": row, "ms": statistics.median(full), "host_ms": statistics.median(host),
            "mb_per_step": None if sent is None else sent / 1e6,
            "syncs": syncs and syncs["all"], "syncs_training_thread": syncs and syncs["training thread"],
-           "sync_sites": syncs and syncs["sites"], "loss": float(loss),
+           "sync_sites": syncs and syncs["sites"], "loss": float(loss.detach()),
            "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
            "params": count_parameters(net)}
     if closing is not None:
