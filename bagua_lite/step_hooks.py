@@ -85,12 +85,12 @@ def _versions(grads):
     """Each gradient's version counter; a DTensor's, with its shard's (in place on the DTensor, a zero_grad,
     moves the first only; FSDP2's accumulation into the shard, the second only)."""
     plain = torch.Tensor
-    return [None if g is None else g._version if type(g) is plain else _dtensor_version(g) for g in grads]
+    return [None if g is None else g._version if type(g) is plain else _subclass_version(g) for g in grads]
 
 
-def _dtensor_version(g):
-    with torch.no_grad():  # (to_local() is then the shard itself, not a view made through autograd)
-        return g._version, g.to_local()._version
+def _subclass_version(g):
+    with torch.no_grad():  # (a DTensor's to_local() is then the shard itself, not a view made through autograd)
+        return g._version, _local(g)._version
 
 
 def take_closure(optimizer, args, kwargs):
