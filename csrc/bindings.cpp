@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "alloc_watch.h"
+#include "crash_trace.h"
 #include "collectives/collectives.h"
 #include "common.h"
 #include "engine/engine.h"
@@ -320,6 +321,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests: pause (True) or resume (False) the running watch, for every thread.");
   m.def("_alloc_watch_stop", &bl::alloc_watch_stop,
         "Tests: stop the watch; the sizes it recorded, in order, and their backtraces (empty without traces).");
+  m.def("_install_crash_trace", &bl::install_crash_trace,
+        "Tests: on SIGSEGV, SIGBUS, SIGILL, SIGFPE or SIGABRT, write the crashing thread's native backtrace to "
+        "stderr, then hand the signal to the handler installed before (faulthandler's). False if installed already.");
   m.def("reset_traffic", [] {
     bl::traffic().bytes_sent = 0;
     bl::traffic().messages = 0;

@@ -8,6 +8,7 @@ how it exited and the end of its stderr, which goes to a log file per rank); the
 because a group whose ranks fell out of step cannot be trusted for the next test.
 """
 import datetime
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -27,6 +28,8 @@ def _worker(rank, world_size, init_file, timeout_s, tasks, results, log):
     faulthandler.enable()  # a rank that dies of a signal writes every thread's Python stack to its log
     import torch
     import torch.distributed as dist
+    from bagua_lite import _C
+    _C._install_crash_trace()  # and the crashing thread's native frames: gloo's and the engine's have no Python
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
@@ -243,17 +246,25 @@ class Cluster:
         self._history = (self._history + [fn.__name__])[-12:]
         return [got[r][1] for r in range(self.world_size)]
 
-    _WHY = ("terminate called", "what():", "Fatal Python error", "malloc", "free()", "corrupted", "double free")
+    _WHY = ("terminate called", "what():", "Fatal Python error", "malloc", "free()", "corrupted", "double free",
+            "native backtrace of the crashing thread")
 
     def _last_words(self, rank):
         """What a dead rank said of why it died (gloo's or the C library's message), for the error's first
         line: the end of its log, quoted further on, may be cut where a report is excerpted."""
         try:
             with open(self._logs[rank], errors="replace") as f:
-                lines = [ln.strip() for ln in f if any(w in ln for w in self._WHY)]
+                log = [ln.strip() for ln in f]
         except OSError:
             return ""
-        return (": " + " | ".join(lines[-4:])[:1500]) if lines else ""
+        lines = []
+        for i, ln in enumerate(log):
+            if any(w in ln for w in self._WHY):
+                lines.append(ln)
+                if "native backtrace" in ln:  # with its top frames (each file's name, not its path), after ours
+                    frames = itertools.takewhile(lambda f: "[0x" in f, log[i + 2:i + 8])
+                    lines.append(" < ".join(os.path.basename(f) for f in frames))
+        return (": " + " | ".join(lines[-5:])[:1500]) if lines else ""
 
     def log_tail(self, rank, chars=6000):
         """The end of what ``rank`` wrote to stderr (its log file)."""

@@ -30,6 +30,41 @@ def test_a_rank_killed_by_a_signal_is_named_with_it_and_its_stack_printed():
     tail = msg[msg.index("--- rank 1's stderr, the end ---"):]
     assert "Fatal Python error: Segmentation fault" in tail, tail
     assert "in _r_crash" in tail, tail  # the line it died on
+    # the native frames too, before faulthandler's Python stacks (here the interpreter's own)
+    assert "bagua_lite: native backtrace of the crashing thread (SIGSEGV)" in msg.splitlines()[0], msg
+    assert tail.index("native backtrace") < tail.index("Fatal Python error"), tail
+
+
+def _r_crash_in_a_native_thread(rank, world):
+    """Rank 1 starts a thread that never runs Python and calls strlen(NULL) (as a bug in a thread of gloo's
+    or of the engine's would crash), while its Python threads wait."""
+    if rank == 1:
+        import ctypes
+        import time
+        libc, thread = ctypes.CDLL(None), ctypes.c_ulong()
+        libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.strlen, ctypes.c_void_p), None)
+        time.sleep(60)
+    return rank
+
+
+def test_a_crash_in_a_thread_that_never_ran_python_shows_its_native_frames():
+    """faulthandler prints only Python threads' stacks: a crash in one of gloo's threads or the engine's
+    left no frame of its own in the log (a flaky SIGSEGV in CI, its every Python thread waiting). The
+    harness's ranks write the crashing thread's native backtrace first (``_C._install_crash_trace``), and
+    the error's first line says so."""
+    c = Cluster(2)
+    try:
+        with pytest.raises(RemoteError) as err:
+            c.run(_r_crash_in_a_native_thread, timeout=60, grace=5)
+    finally:
+        c.close()
+    msg = str(err.value)
+    assert err.value.dead == [1] and "rank 1: killed by SIGSEGV" in msg, msg
+    assert "native backtrace of the crashing thread (SIGSEGV)" in msg.splitlines()[0], msg
+    tail = msg[msg.index("--- rank 1's stderr, the end ---"):]
+    frames = tail[tail.index("native backtrace"):tail.index("Fatal Python error")]
+    assert "_C.cpython" in frames, frames  # the handler's own frame, then the thread's
+    assert "Current thread" not in tail, tail  # faulthandler: no Python thread was the one that crashed
 
 
 def _r_ok(rank, world):

@@ -20,8 +20,12 @@ def join_group(rank, P, backend, device, store_path):
     """In a spawned rank: the rank's device (GPU 0 for every rank: one GPU), and the process group joined
     through the file store at ``store_path``."""
     import datetime
+    import faulthandler
 
     import torch.distributed as dist
+    from bagua_lite import _C
+    faulthandler.enable()  # a rank that dies of a signal prints its Python stacks, and the crashing
+    _C._install_crash_trace()  # thread's native frames (NCCL's, gloo's and the engine's threads run no Python)
     if device == "cuda":
         torch.cuda.set_device(0)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
