@@ -300,10 +300,9 @@ class StepHooks:
         while micro-batches accumulate toward a step still ahead (no ``optimizer.step()`` since their backward,
         and the bad gradient still held): that step refuses it. A scaler's skip, or the loop's, let it go."""
         self._raise_skipped_on_device()
-        noted = not self._note_queued
-        if not noted:  # a backward that raised before its end: its note never came (queue the next one)
+        if self._note_queued:  # a backward that raised before its end: its note never came (queue the next one)
             self._note_queued = False
-        if noted and self._held_unchanged():  # accumulating: whatever the flag says, it waits for that step
+        elif self._held_unchanged():  # accumulating: whatever the flag says, it waits for that step
             return
         self._read_local_flag()
         bad = self._local_bad

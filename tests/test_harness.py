@@ -9,6 +9,17 @@ import pytest
 from cluster import Cluster, RemoteError
 
 
+def _failure(fn):
+    """The RemoteError of running ``fn`` on a fresh cluster of 2 (torn down after)."""
+    c = Cluster(2)
+    try:
+        with pytest.raises(RemoteError) as err:
+            c.run(fn, timeout=60, grace=5)
+    finally:
+        c.close()
+    return err.value
+
+
 def _r_crash(rank, world):
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSEGV)  # as a crash in native code would
@@ -18,14 +29,9 @@ def _r_crash(rank, world):
 def test_a_rank_killed_by_a_signal_is_named_with_it_and_its_stack_printed():
     """A rank that dies of a signal is named with the signal, and the error carries the end of its stderr
     with its Python stack (faulthandler), so a crash seen once in CI says where it happened."""
-    c = Cluster(2)
-    try:
-        with pytest.raises(RemoteError) as err:
-            c.run(_r_crash, timeout=60, grace=5)
-    finally:
-        c.close()
-    assert err.value.dead == [1], err.value.dead
-    msg = str(err.value)
+    err = _failure(_r_crash)
+    assert err.dead == [1], err.dead
+    msg = str(err)
     assert "rank 1: killed by SIGSEGV" in msg, msg
     tail = msg[msg.index("--- rank 1's stderr, the end ---"):]
     assert "Fatal Python error: Segmentation fault" in tail, tail
@@ -52,14 +58,9 @@ def test_a_crash_in_a_thread_that_never_ran_python_shows_its_native_frames():
     left no frame of its own in the log (a flaky SIGSEGV in CI, its every Python thread waiting). The
     harness's ranks write the crashing thread's native backtrace first (``_C._install_crash_trace``), and
     the error's first line says so."""
-    c = Cluster(2)
-    try:
-        with pytest.raises(RemoteError) as err:
-            c.run(_r_crash_in_a_native_thread, timeout=60, grace=5)
-    finally:
-        c.close()
-    msg = str(err.value)
-    assert err.value.dead == [1] and "rank 1: killed by SIGSEGV" in msg, msg
+    err = _failure(_r_crash_in_a_native_thread)
+    msg = str(err)
+    assert err.dead == [1] and "rank 1: killed by SIGSEGV" in msg, msg
     assert "native backtrace of the crashing thread (SIGSEGV)" in msg.splitlines()[0], msg
     tail = msg[msg.index("--- rank 1's stderr, the end ---"):]
     frames = tail[tail.index("native backtrace"):tail.index("Fatal Python error")]
